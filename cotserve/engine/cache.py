@@ -1,0 +1,95 @@
+"""cotserve's own KV cache for the native engine.
+
+One tensor per K and V for the whole batch, preallocated once per batch:
+`k[layer, slot, kv_head, index, head_dim]`. Entries of a slot are stored contiguously at
+indices `0 .. lens[layer, slot] - 1`; every KV head of a (layer, slot) holds the same number of
+entries (eviction keeps the same count per head), but not necessarily the same tokens.
+`pos[layer, slot, kv_head, index]` is the true token position of each entry (RoPE is already
+applied to the stored keys), so policies can reason about recency and sentence spans after
+compaction. Decode writes one entry per slot at `lens`; nothing is re-copied per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CacheShape:
+    layers: int
+    slots: int
+    kv_heads: int
+    capacity: int
+    head_dim: int
+
+
+class KVCache:
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device):
+        self.shape = shape
+        size = (shape.layers, shape.slots, shape.kv_heads, shape.capacity, shape.head_dim)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
+        self.pos = torch.full(size[:4], -1, dtype=torch.long, device=device)
+        self.lens = torch.zeros(shape.layers, shape.slots, dtype=torch.long, device=device)
+        self.device = device
+
+    @property
+    def capacity(self) -> int:
+        return self.shape.capacity
+
+    def nbytes_per_slot(self, layer_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """K+V bytes held per slot (valid entries only), summed over layers: [slots]."""
+        lens = self.lens if layer_lens is None else layer_lens
+        per_entry = 2 * self.shape.kv_heads * self.shape.head_dim * self.k.element_size()
+        return lens.sum(0) * per_entry
+
+    # -- writes ---------------------------------------------------------------------------
+    def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Write a right-padded prompt block k, v [B, Hkv, T, D] at indices 0..T-1."""
+        t = k.shape[2]
+        if t > self.capacity:
+            raise ValueError(f"prompt of {t} tokens exceeds the cache capacity {self.capacity}")
+        self.k[layer, :, :, :t] = k
+        self.v[layer, :, :, :t] = v
+        positions = torch.arange(t, device=self.device).expand(k.shape[0], k.shape[1], t)
+        valid = positions < lengths.view(-1, 1, 1)
+        self.pos[layer, :, :, :t] = torch.where(valid, positions, torch.full_like(positions, -1))
+        self.lens[layer] = lengths
+
+    def write_decode(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append one entry per slot (k, v [B, Hkv, 1, D]) at index lens[layer, slot]."""
+        idx = self.lens[layer]
+        if int(idx.max()) >= self.capacity:
+            raise ValueError("KV cache full: capacity planning is wrong")
+        slots = torch.arange(k.shape[0], device=self.device)
+        self.k[layer, slots, :, idx] = k[:, :, 0]
+        self.v[layer, slots, :, idx] = v[:, :, 0]
+        self.pos[layer, slots, :, idx] = positions.view(-1, 1).expand(-1, k.shape[1])
+        self.lens[layer] = idx + 1
+
+    # -- reads ----------------------------------------------------------------------------
+    def view(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [B, Hkv, S, D] and a validity mask [B, S] over the first S = max(lens) indices."""
+        s = int(self.lens[layer].max()) if upto is None else upto
+        valid = torch.arange(s, device=self.device).unsqueeze(0) < self.lens[layer].unsqueeze(1)
+        return self.k[layer, :, :, :s], self.v[layer, :, :, :s], valid
+
+    # -- eviction -------------------------------------------------------------------------
+    def compact(self, layer: int, slot: int, keep: torch.Tensor) -> None:
+        """Keep, for one (layer, slot), the entries `keep[kv_head, n]` (indices into the current
+        entries, any order; they are stored sorted by index). The slot's length becomes n.
+        This is the physical eviction: the entries behind n are dropped."""
+        keep, _ = keep.sort(dim=-1)
+        n = keep.shape[-1]
+        cur = int(self.lens[layer, slot])
+        if n > cur or (n and int(keep.max()) >= cur):
+            raise ValueError("compact: keep indices outside the valid entries")
+        d = self.shape.head_dim
+        gather = keep.unsqueeze(-1).expand(-1, -1, d)
+        self.k[layer, slot, :, :n] = torch.gather(self.k[layer, slot, :, :cur], 1, gather)
+        self.v[layer, slot, :, :n] = torch.gather(self.v[layer, slot, :, :cur], 1, gather)
+        self.pos[layer, slot, :, :n] = torch.gather(self.pos[layer, slot, :, :cur], 1, keep)
+        self.pos[layer, slot, :, n:cur] = -1
+        self.lens[layer, slot] = n

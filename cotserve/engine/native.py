@@ -1,0 +1,321 @@
+"""The native engine: transformers model modules, cotserve's KV cache, a whole decode loop.
+
+The model's own attention modules compute Q/K/V and RoPE; their attention call is routed (via
+transformers' attention interface, implementation name "cotserve") to `cotserve_attention`,
+which writes K/V into the preallocated `KVCache` and asks the batch's policy stack for the
+output. The loop (prefill, sample, decode, stop) lives in `NativeEngine.stream`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cotserve.engine.batch import BatchState, ModelInfo
+from cotserve.engine.cache import CacheShape, KVCache
+from cotserve.engine.sampling import SamplingParams, sample_next
+from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
+from cotserve.errors import RequestError
+from cotserve.models import LoadedModel
+from cotserve.policies.base import PolicyStack
+from cotserve.policies.registry import build_policy
+
+ATTN_IMPL = "cotserve"
+
+
+def cotserve_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention entry point registered with transformers' AttentionInterface.
+
+    query [B, Hq, T, D], key/value [B, Hkv, T, D] (RoPE applied, this forward's tokens only).
+    Without a cotserve batch in kwargs (e.g. a plain `model.generate`), behaves as SDPA."""
+    batch: BatchState | None = kwargs.pop("cotserve_batch", None)
+    if batch is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer = module.layer_idx
+    if batch.mode == "prefill":
+        batch.cache.write_prefill(layer, key, value, batch.prompt_lens)
+        out = batch.policy.prefill_attention(layer, query, key, value, batch)
+    else:
+        batch.cache.write_decode(layer, key, value, batch.positions)
+        out = batch.policy.decode_attention(layer, query, batch)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def _register_attention() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPL, cotserve_attention)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+    _registered = True
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    extras: dict[str, Any] = field(default_factory=dict)  # per-request policy inputs (e.g. steering)
+
+
+@dataclass
+class Delta:
+    """New output of one request after one step."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    result: Completion | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+class NativeEngine:
+    """Batched generation with cotserve's cache and policies on a transformers model."""
+
+    def __init__(self, loaded: LoadedModel, max_batch: int = 8):
+        _register_attention()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.max_batch = max_batch
+        self.model.config._attn_implementation = ATTN_IMPL
+        cfg = self.model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.info = ModelInfo(
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            hidden_size=cfg.hidden_size,
+            max_positions=getattr(cfg, "max_position_embeddings", 1 << 20),
+            tokenizer=self.tokenizer,
+            model_name=loaded.name,
+        )
+        self.scaling = self.model.model.layers[0].self_attn.scaling
+        self.eos_ids = self._eos_ids()
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            eos = getattr(src, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        return ids
+
+    # -- prompt helpers -------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(out, "keys"):
+                out = out["input_ids"]
+            return list(out)
+        text = "\n".join(m["content"] for m in messages)
+        return self.tokenizer.encode(text)
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        if chat:
+            return self.apply_chat_template([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: BatchState) -> torch.Tensor:
+        """Run the decoder stack; returns the final-norm hidden states [B, T, H]."""
+        inner = self.model.model
+        hidden = inner.embed_tokens(input_ids)
+        pos_emb = inner.rotary_emb(hidden, position_ids=position_ids)
+        for i, layer in enumerate(inner.layers):
+            hidden = batch.policy.steer(i, hidden, batch)
+            out = layer(hidden, attention_mask=None, position_ids=position_ids,
+                        position_embeddings=pos_emb, cotserve_batch=batch)
+            hidden = out[0] if isinstance(out, tuple) else out
+        hidden = inner.norm(hidden)
+        batch.hidden = hidden
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()
+
+    # -- generation -----------------------------------------------------------------------
+    def check_request(self, req: GenRequest) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", field="messages")
+        if n >= self.info.max_positions:
+            raise RequestError(
+                f"prompt has {n} tokens; this model's context is {self.info.max_positions}",
+                field="messages", code="context_length_exceeded",
+            )
+
+    def generate(self, requests: list[GenRequest], policy: str | PolicyStack | None = None,
+                 options: dict[str, Any] | None = None) -> list[Completion]:
+        """Run requests to completion; batches are formed from requests sorted by prompt length."""
+        results: dict[str, Completion] = {}
+        for group in group_by_length(requests, self.max_batch):
+            for deltas in self.stream(group, policy, options):
+                for d in deltas:
+                    if d.result is not None:
+                        results[d.request_id] = d.result
+        return [results[r.request_id] for r in requests]
+
+    @torch.inference_mode()
+    def stream(self, requests: list[GenRequest], policy: str | PolicyStack | None = None,
+               options: dict[str, Any] | None = None,
+               cancelled: Callable[[str], bool] | None = None) -> Iterator[list[Delta]]:
+        """Generate one batch; yields the deltas of each step. The last delta of each request
+        carries its `Completion`. `cancelled(request_id)` is polled every step."""
+        if not requests:
+            return
+        for r in requests:
+            self.check_request(r)
+        stack = policy if isinstance(policy, PolicyStack) else build_policy(policy, options)
+        bsz = len(requests)
+        prompt_lens = [len(r.prompt_ids) for r in requests]
+        max_new = [min(r.sampling.max_tokens, self.info.max_positions - n) for r, n in zip(requests, prompt_lens, strict=True)]
+        capacity = stack.capacity(prompt_lens, max(max_new))
+        cache = KVCache(CacheShape(self.info.num_layers, bsz, self.info.num_kv_heads, capacity, self.info.head_dim),
+                        self.dtype, self.device)
+        plen_t = torch.tensor(prompt_lens, device=self.device)
+        batch = BatchState(info=self.info, cache=cache, policy=stack, scaling=self.scaling, prompt_lens=plen_t,
+                           tokens=[list(r.prompt_ids) for r in requests],
+                           active=torch.ones(bsz, dtype=torch.bool, device=self.device),
+                           extras={i: r.extras for i, r in enumerate(requests)})
+        stack.begin(batch)
+
+        # prefill: one right-padded block (exact under a causal mask)
+        t_start = time.perf_counter()
+        tmax = max(prompt_lens)
+        ids = torch.full((bsz, tmax), self.eos_default(), dtype=torch.long, device=self.device)
+        for i, r in enumerate(requests):
+            ids[i, : prompt_lens[i]] = torch.tensor(r.prompt_ids, device=self.device)
+        pos = torch.arange(tmax, device=self.device).unsqueeze(0).expand(bsz, -1)
+        batch.mode = "prefill"
+        hidden = self.forward(ids, pos, batch)
+        stack.after_forward(batch)
+        last = hidden[torch.arange(bsz, device=self.device), plen_t - 1]
+        logits = self.logits(last)
+        t_prefill = time.perf_counter() - t_start
+        padding_fraction = 1.0 - sum(prompt_lens) / float(bsz * tmax)
+
+        gens = [r.sampling.make_generator(self.device) for r in requests]
+        detoks = [IncrementalDetokenizer(self.tokenizer) for _ in requests]
+        stops = [StopStringMatcher(list(r.sampling.stop)) for r in requests]
+        out_ids: list[list[int]] = [[] for _ in requests]
+        finished: list[str | None] = [None] * bsz
+        peak_kv = cache.nbytes_per_slot().clone()
+        after_prefill_kv = peak_kv.clone()
+        t_decode = time.perf_counter()
+        steps = 0
+        batch.mode = "decode"
+        while True:
+            step_deltas: list[Delta] = []
+            next_tokens = torch.full((bsz,), self.eos_default(), dtype=torch.long, device=self.device)
+            for i, r in enumerate(requests):
+                if finished[i] is not None:
+                    continue
+                if cancelled is not None and cancelled(r.request_id):
+                    finished[i] = "cancelled"
+                    step_deltas.append(self._final(i, r, out_ids, stops, detoks, finished, prompt_lens,
+                                                   stack, batch, t_prefill, t_decode, steps, padding_fraction,
+                                                   peak_kv, after_prefill_kv, flush=False))
+                    continue
+                tok = sample_next(logits[i], r.sampling, gens[i], out_ids[i])
+                next_tokens[i] = tok
+                out_ids[i].append(tok)
+                batch.tokens[i].append(tok)
+                sp = r.sampling
+                if tok in sp.stop_token_ids or (tok in self.eos_ids and not sp.ignore_eos):
+                    finished[i] = "stop"
+                    text = stops[i].feed(detoks[i].flush()) + stops[i].finish()
+                else:
+                    text = stops[i].feed(detoks[i].push(tok))
+                    if stops[i].stopped:
+                        finished[i] = "stop"
+                    elif len(out_ids[i]) >= max_new[i]:
+                        finished[i] = "length"
+                        text += stops[i].feed(detoks[i].flush())
+                        if stops[i].stopped:
+                            finished[i] = "stop"
+                        text += stops[i].finish()
+                if finished[i] is None:
+                    step_deltas.append(Delta(r.request_id, [tok], text))
+                else:
+                    d = self._final(i, r, out_ids, stops, detoks, finished, prompt_lens, stack, batch,
+                                    t_prefill, t_decode, steps + 1, padding_fraction, peak_kv, after_prefill_kv,
+                                    flush=False)
+                    d.token_ids = [tok]
+                    d.text = text
+                    step_deltas.append(d)
+            if step_deltas:
+                yield step_deltas
+            batch.active = torch.tensor([f is None for f in finished], device=self.device)
+            if all(f is not None for f in finished):
+                break
+            # one decode step for the whole batch (finished slots ride along, ignored)
+            batch.positions = plen_t + torch.tensor([len(o) for o in out_ids], device=self.device) - 1
+            batch.step = steps
+            hidden = self.forward(next_tokens.view(-1, 1), batch.positions.view(-1, 1), batch)
+            stack.after_forward(batch)
+            torch.maximum(peak_kv, cache.nbytes_per_slot(), out=peak_kv)
+            logits = self.logits(hidden[:, -1])
+            steps += 1
+
+    def eos_default(self) -> int:
+        return min(self.eos_ids) if self.eos_ids else 0
+
+    def _final(self, i, r, out_ids, stops, detoks, finished, prompt_lens, stack, batch, t_prefill, t_decode,
+               steps, padding_fraction, peak_kv, after_prefill_kv, flush: bool) -> Delta:
+        decode_s = time.perf_counter() - t_decode
+        n = len(out_ids[i])
+        tele = {
+            "policy": stack.name,
+            "prefill_s": round(t_prefill, 4),
+            "decode_s": round(decode_s, 4),
+            "decode_tok_s": round(n / decode_s, 2) if decode_s > 0 and n else 0.0,
+            "batch_size": batch.batch_size,
+            "padding_fraction": round(padding_fraction, 4),
+            "kv_bytes_after_prefill": int(after_prefill_kv[i]),
+            "kv_bytes_peak": int(peak_kv[i]),
+            "kv_bytes_final": int(batch.cache.nbytes_per_slot()[i]),
+        }
+        tele.update(stack.telemetry(i))
+        comp = Completion(request_id=r.request_id, text=stops[i].text, token_ids=list(out_ids[i]),
+                          finish_reason=finished[i] or "stop", prompt_tokens=prompt_lens[i],
+                          completion_tokens=n, telemetry=tele)
+        return Delta(r.request_id, [], "", finished=True, finish_reason=comp.finish_reason, result=comp)
+
+
+def group_by_length(requests: list[GenRequest], max_batch: int) -> list[list[GenRequest]]:
+    """Length-sorted batch grouping (SkipKV, Sec. 4.3): neighbours in prompt length share a batch,
+    so right-padding in prefill and ragged cache lengths in decode stay small."""
+    order = sorted(requests, key=lambda r: len(r.prompt_ids))
+    return [order[i : i + max_batch] for i in range(0, len(order), max_batch)]

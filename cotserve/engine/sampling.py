@@ -1,0 +1,71 @@
+"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p, seed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cotserve.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings.
+
+    temperature 0 means greedy. top_k 0 means no top-k cut. A seed makes sampling reproducible:
+    the same seed, prompt and batch give the same text. Without a seed a random one is drawn."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", field="max_tokens")
+        if self.temperature < 0:
+            raise RequestError("temperature must be >= 0", field="temperature")
+        if not 0 < self.top_p <= 1:
+            raise RequestError("top_p must be in (0, 1]", field="top_p")
+        if self.top_k < 0:
+            raise RequestError("top_k must be >= 0", field="top_k")
+
+    def make_generator(self, device: torch.device) -> torch.Generator:
+        gen = torch.Generator(device=device)
+        if self.seed is not None:
+            gen.manual_seed(int(self.seed))
+        else:
+            gen.seed()
+        return gen
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top-k and the top-p nucleus of a [V] logit row."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+    return logits
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                history: list[int] | None = None) -> int:
+    """One token from a [V] float logit row."""
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

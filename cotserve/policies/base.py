@@ -1,0 +1,156 @@
+"""The policy interface between the native engine and decode-time KV logic.
+
+A policy owns per-sequence state and answers one question per decode step (ARCHITECTURE.md):
+which positions to READ (sfi, sinkrouter, quest), which to DROP (skipkv, h2o, ...), or how to
+STEER the hidden state. The engine does the mechanics (cache layout, kernels) and asks through
+these hooks; every hook has a dense/no-op default, so a policy overrides only what it answers.
+
+Hooks, in the order the engine calls them for one batch:
+
+  capacity(prompt_lens, max_new)      -> cache entries to preallocate per slot
+  begin(batch)                        once, after the cache is allocated
+  steer(layer, hidden, batch)         hidden state entering each layer (steering axis)
+  prefill_attention(layer, q, k, v, batch)   prompt attention (k, v already in the cache)
+  decode_attention(layer, q, batch)   one decode step's attention over the cache (read axis)
+  after_forward(batch)                after every forward (prefill and decode); eviction runs here
+  telemetry(slot)                     per-sequence numbers reported with the response
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from cotserve.engine.batch import BatchState
+
+
+class Axis:
+    READ = "read"
+    EVICT = "evict"
+    STEER = "steer"
+
+
+@dataclass
+class PolicyConfig:
+    """Base for small dataclass configs; subclasses add their knobs with defaults."""
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """Plain torch reference attention for GQA without repeating K/V.
+
+    q [B, Hq, T, D], k/v [B, Hkv, S, D], valid: bool mask broadcastable to [B, 1, T, S] or None.
+    Returns [B, Hq, T, D]."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.view(b, hkv, g * t, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scaling  # [B, Hkv, G*T, S]
+    if valid is not None:
+        scores = scores.view(b, hkv, g, t, -1)
+        scores = scores.masked_fill(~valid.view(b, 1, 1, *valid.shape[-2:]), float("-inf"))
+        scores = scores.view(b, hkv, g * t, -1)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [B, Hkv, G*T, D]
+    return out.view(b, hq, t, d)
+
+
+def dense_decode(q: torch.Tensor, batch: BatchState, layer: int) -> torch.Tensor:
+    """Dense single-token attention over every valid cache entry: the baseline decode step."""
+    k, v, valid = batch.cache.view(layer)
+    return grouped_attention(q, k, v, valid.unsqueeze(1), batch.scaling)
+
+
+def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal prompt attention on a right-padded block: pads sit after every real token, so a
+    causal mask alone is exact for the real rows."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+
+
+class Policy:
+    """Base class. Subclasses set `name`, `axis` and `config_cls`, and override hooks."""
+
+    name: ClassVar[str] = "base"
+    axis: ClassVar[str] = Axis.READ
+    config_cls: ClassVar[type[PolicyConfig]] = PolicyConfig
+
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config if config is not None else self.config_cls()
+
+    # capacity planning
+    def capacity(self, prompt_lens: list[int], max_new: int) -> int | None:
+        """Cache entries needed per slot; None means no opinion (full length)."""
+        return None
+
+    def begin(self, batch: BatchState) -> None:
+        pass
+
+    def steer(self, layer: int, hidden: torch.Tensor, batch: BatchState) -> torch.Tensor:
+        return hidden
+
+    def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> torch.Tensor | None:
+        """Return the attention output, or None to leave it to the next policy / the default."""
+        return None
+
+    def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor | None:
+        return None
+
+    def after_forward(self, batch: BatchState) -> None:
+        pass
+
+    def telemetry(self, slot: int) -> dict[str, Any]:
+        return {}
+
+
+@dataclass
+class PolicyStack:
+    """At most one policy per axis; hooks go to each part in the order read, evict, steer."""
+
+    parts: list[Policy] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return "+".join(p.name for p in self.parts) or "dense"
+
+    def capacity(self, prompt_lens: list[int], max_new: int) -> int:
+        full = max(prompt_lens) + max_new + 1
+        asked = [c for p in self.parts if (c := p.capacity(prompt_lens, max_new)) is not None]
+        return min([full, *asked]) if asked else full
+
+    def begin(self, batch: BatchState) -> None:
+        for p in self.parts:
+            p.begin(batch)
+
+    def steer(self, layer: int, hidden: torch.Tensor, batch: BatchState) -> torch.Tensor:
+        for p in self.parts:
+            hidden = p.steer(layer, hidden, batch)
+        return hidden
+
+    def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> torch.Tensor:
+        for p in self.parts:
+            out = p.prefill_attention(layer, q, k, v, batch)
+            if out is not None:
+                return out
+        return causal_prefill(q, k, v, batch.scaling)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
+        for p in self.parts:
+            out = p.decode_attention(layer, q, batch)
+            if out is not None:
+                return out
+        return dense_decode(q, batch, layer)
+
+    def after_forward(self, batch: BatchState) -> None:
+        for p in self.parts:
+            p.after_forward(batch)
+
+    def telemetry(self, slot: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for p in self.parts:
+            out.update(p.telemetry(slot))
+        return out

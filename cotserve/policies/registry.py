@@ -1,0 +1,156 @@
+"""Policy registry and spec parsing.
+
+A spec names one policy, or a stack of at most one per axis joined with `+`
+(e.g. `skipkv+sfi+steering`). Options are a flat dict; a key may be prefixed with the policy
+name (`sfi.k=1024`) to target one part of a stack, otherwise it goes to every part whose config
+has that field. An option no part knows is an error, as is a stack with two parts on one axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from cotserve.errors import PolicyError
+from cotserve.policies.base import Policy, PolicyConfig, PolicyStack
+
+REGISTRY: dict[str, type[Policy]] = {}
+
+# Modules that define policies; imported lazily so a missing optional piece breaks only itself.
+POLICY_MODULES = [
+    "cotserve.policies.dense",
+]
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_all() -> None:
+    for mod in POLICY_MODULES:
+        importlib.import_module(mod)
+
+
+def available() -> list[str]:
+    _load_all()
+    return sorted(REGISTRY)
+
+
+def _coerce(value: Any, target: Any) -> Any:
+    """Turn CLI strings into the type of the config field's default."""
+    if not isinstance(value, str):
+        return value
+    if isinstance(target, bool):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected a boolean, got {value!r}")
+    if isinstance(target, int):
+        return int(value)
+    if isinstance(target, float):
+        return float(value)
+    if isinstance(target, (list, tuple)):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
+
+
+def make_config(cls: type[Policy], options: dict[str, Any]) -> PolicyConfig:
+    fields = {f.name: f for f in dataclasses.fields(cls.config_cls)}
+    defaults = cls.config_cls()
+    kwargs = {}
+    for key, value in options.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields)) or "none"
+            raise PolicyError(f"policy {cls.name!r} has no option {key!r} (options: {known})")
+        try:
+            kwargs[key] = _coerce(value, getattr(defaults, key))
+        except (TypeError, ValueError) as exc:
+            raise PolicyError(f"policy option {cls.name}.{key}={value!r}: {exc}") from exc
+    try:
+        config = cls.config_cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"policy {cls.name!r}: {exc}") from exc
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ValueError as exc:
+            raise PolicyError(f"policy {cls.name!r}: {exc}") from exc
+    return config
+
+
+def build_policy(spec: str | None, options: dict[str, Any] | None = None) -> PolicyStack:
+    """Build a fresh stack (policies hold per-batch state: build one per batch)."""
+    _load_all()
+    spec = (spec or "dense").strip()
+    options = dict(options or {})
+    names = [n.strip() for n in spec.split("+") if n.strip()]
+    if not names:
+        raise PolicyError("empty policy spec")
+    classes = []
+    for n in names:
+        if n not in REGISTRY:
+            raise PolicyError(f"unknown policy {n!r} (available: {', '.join(sorted(REGISTRY))})")
+        classes.append(REGISTRY[n])
+    axes: dict[str, str] = {}
+    for cls in classes:
+        if cls.axis in axes:
+            raise PolicyError(
+                f"policies {axes[cls.axis]!r} and {cls.name!r} conflict: both decide the {cls.axis} axis; "
+                "stack at most one read, one evict and one steer policy"
+            )
+        axes[cls.axis] = cls.name
+    per_part: dict[str, dict[str, Any]] = {cls.name: {} for cls in classes}
+    for key, value in options.items():
+        if "." in key:
+            target, _, field = key.partition(".")
+            if target not in per_part:
+                raise PolicyError(f"option {key!r} targets {target!r}, which is not in the stack {spec!r}")
+            per_part[target][field] = value
+            continue
+        owners = [c for c in classes if key in {f.name for f in dataclasses.fields(c.config_cls)}]
+        if not owners:
+            raise PolicyError(f"no policy in {spec!r} has an option {key!r}")
+        for c in owners:
+            per_part[c.name][key] = value
+    parts = [cls(make_config(cls, per_part[cls.name])) for cls in classes]
+    parts = [p for p in parts if p.name != "dense"]
+    return PolicyStack(parts)
+
+
+def parse_options(pairs: list[str] | None, file: str | None = None) -> dict[str, Any]:
+    """`--policy-opt key=value` pairs plus an optional YAML/JSON file (pairs win)."""
+    options: dict[str, Any] = {}
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise PolicyError(f"policy options file {file} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as exc:
+            raise PolicyError(f"cannot parse policy options file {file}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise PolicyError(f"policy options file {file} must hold a mapping")
+        for k, v in data.items():
+            if isinstance(v, dict):  # {"sfi": {"k": 1024}} -> sfi.k
+                for k2, v2 in v.items():
+                    options[f"{k}.{k2}"] = v2
+            else:
+                options[k] = v
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise PolicyError(f"--policy-opt {pair!r}: expected key=value")
+        k, _, v = pair.partition("=")
+        options[k.strip()] = v.strip()
+    return options
