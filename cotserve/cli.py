@@ -115,6 +115,35 @@ def bench_decode(
     _emit_json(report, json_out)
 
 
+@bench_app.command("fidelity")
+def bench_fidelity(
+    policy: Annotated[str, typer.Option(help="Comma-separated policies to compare with dense.")] = "dense",
+    context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 4096,
+    steps: Annotated[int, typer.Option(help="Decode steps compared (teacher-forced on dense's tokens).")] = 256,
+    batch: Annotated[int, typer.Option(help="Prompts (sequences) compared.")] = 1,
+    policy_opt: PolicyOptOpt = None,
+    policy_file: PolicyFileOpt = None,
+    model: ModelOpt = "smollm2-135m-instruct",
+    data_dir: Annotated[str | None, typer.Option(help="Dataset folder for prompt text ($COTSERVE_DATA_DIR).")] = None,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Top-1 agreement and KL of policies against dense decoding, teacher-forced on dense's tokens."""
+    try:
+        from cotserve.bench.fidelity import run_fidelity_bench
+
+        report = run_fidelity_bench(
+            policies=[p.strip() for p in policy.split(",") if p.strip()], context=context, steps=steps,
+            batch=batch, policy_opt=policy_opt, policy_file=policy_file, model=model, data_dir=data_dir,
+            device=device, dtype=dtype,
+        )
+    except CotserveError as exc:
+        fail(str(exc))
+        return
+    _emit_json(report, json_out)
+
+
 def _emit_json(report: dict, path: str | None) -> None:
     import json
 

@@ -69,6 +69,10 @@ class GenRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     extras: dict[str, Any] = field(default_factory=dict)  # per-request policy inputs (e.g. steering)
+    # teacher forcing (fidelity benchmarks): feed these tokens instead of sampling; the model's own
+    # greedy choice at each step is still recorded in Completion.greedy_ids
+    forced_ids: list[int] | None = None
+    record_logprobs: bool = False  # keep each step's log-softmax row (float16) in Completion.logprobs
 
 
 @dataclass
@@ -92,6 +96,8 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     telemetry: dict[str, Any] = field(default_factory=dict)
+    greedy_ids: list[int] = field(default_factory=list)  # argmax of the logits at each step
+    logprobs: torch.Tensor | None = None  # [steps, V] float16 when record_logprobs was set
 
 
 class NativeEngine:
@@ -223,95 +229,125 @@ class NativeEngine:
         stack.after_forward(batch)
         last = hidden[torch.arange(bsz, device=self.device), plen_t - 1]
         logits = self.logits(last)
-        t_prefill = time.perf_counter() - t_start
-        padding_fraction = 1.0 - sum(prompt_lens) / float(bsz * tmax)
 
-        gens = [r.sampling.make_generator(self.device) for r in requests]
-        detoks = [IncrementalDetokenizer(self.tokenizer) for _ in requests]
-        stops = [StopStringMatcher(list(r.sampling.stop)) for r in requests]
-        out_ids: list[list[int]] = [[] for _ in requests]
-        finished: list[str | None] = [None] * bsz
-        peak_kv = cache.nbytes_per_slot().clone()
-        after_prefill_kv = peak_kv.clone()
-        t_decode = time.perf_counter()
-        steps = 0
+        slots = [_Slot(r, n, m, r.sampling.make_generator(self.device), IncrementalDetokenizer(self.tokenizer),
+                       StopStringMatcher(list(r.sampling.stop)))
+                 for r, n, m in zip(requests, prompt_lens, max_new, strict=True)]
+        run = _RunStats(policy=stack.name, prefill_s=time.perf_counter() - t_start,
+                        padding_fraction=1.0 - sum(prompt_lens) / float(bsz * tmax),
+                        kv_after_prefill=cache.nbytes_per_slot().clone())
+        run.kv_peak = run.kv_after_prefill.clone()
+        run.t_decode = time.perf_counter()
         batch.mode = "decode"
         while True:
             step_deltas: list[Delta] = []
             next_tokens = torch.full((bsz,), self.eos_default(), dtype=torch.long, device=self.device)
-            for i, r in enumerate(requests):
-                if finished[i] is not None:
+            for i, s in enumerate(slots):
+                if s.finish is not None:
                     continue
-                if cancelled is not None and cancelled(r.request_id):
-                    finished[i] = "cancelled"
-                    step_deltas.append(self._final(i, r, out_ids, stops, detoks, finished, prompt_lens,
-                                                   stack, batch, t_prefill, t_decode, steps, padding_fraction,
-                                                   peak_kv, after_prefill_kv, flush=False))
+                if cancelled is not None and cancelled(s.req.request_id):
+                    s.finish = "cancelled"
+                    step_deltas.append(self._final(i, s, run, batch))
                     continue
-                tok = sample_next(logits[i], r.sampling, gens[i], out_ids[i])
+                tok, text = self._advance(s, logits[i])
                 next_tokens[i] = tok
-                out_ids[i].append(tok)
                 batch.tokens[i].append(tok)
-                sp = r.sampling
-                if tok in sp.stop_token_ids or (tok in self.eos_ids and not sp.ignore_eos):
-                    finished[i] = "stop"
-                    text = stops[i].feed(detoks[i].flush()) + stops[i].finish()
+                if s.finish is None:
+                    step_deltas.append(Delta(s.req.request_id, [tok], text))
                 else:
-                    text = stops[i].feed(detoks[i].push(tok))
-                    if stops[i].stopped:
-                        finished[i] = "stop"
-                    elif len(out_ids[i]) >= max_new[i]:
-                        finished[i] = "length"
-                        text += stops[i].feed(detoks[i].flush())
-                        if stops[i].stopped:
-                            finished[i] = "stop"
-                        text += stops[i].finish()
-                if finished[i] is None:
-                    step_deltas.append(Delta(r.request_id, [tok], text))
-                else:
-                    d = self._final(i, r, out_ids, stops, detoks, finished, prompt_lens, stack, batch,
-                                    t_prefill, t_decode, steps + 1, padding_fraction, peak_kv, after_prefill_kv,
-                                    flush=False)
-                    d.token_ids = [tok]
-                    d.text = text
-                    step_deltas.append(d)
+                    step_deltas.append(self._final(i, s, run, batch, tok, text))
             if step_deltas:
                 yield step_deltas
-            batch.active = torch.tensor([f is None for f in finished], device=self.device)
-            if all(f is not None for f in finished):
+            batch.active = torch.tensor([s.finish is None for s in slots], device=self.device)
+            if all(s.finish is not None for s in slots):
                 break
             # one decode step for the whole batch (finished slots ride along, ignored)
-            batch.positions = plen_t + torch.tensor([len(o) for o in out_ids], device=self.device) - 1
-            batch.step = steps
+            batch.positions = plen_t + torch.tensor([len(s.out_ids) for s in slots], device=self.device) - 1
+            batch.step = run.steps
             hidden = self.forward(next_tokens.view(-1, 1), batch.positions.view(-1, 1), batch)
             stack.after_forward(batch)
-            torch.maximum(peak_kv, cache.nbytes_per_slot(), out=peak_kv)
+            torch.maximum(run.kv_peak, cache.nbytes_per_slot(), out=run.kv_peak)
             logits = self.logits(hidden[:, -1])
-            steps += 1
+            run.steps += 1
+
+    def _advance(self, s: _Slot, logits: torch.Tensor) -> tuple[int, str]:
+        """Choose one slot's next token; update its text, stop state and finish reason."""
+        r = s.req
+        s.greedy_ids.append(int(torch.argmax(logits)))
+        if r.record_logprobs:
+            s.logprob_rows.append(torch.log_softmax(logits, -1).to(torch.float16).cpu())
+        if r.forced_ids is not None and len(s.out_ids) < len(r.forced_ids):
+            tok = int(r.forced_ids[len(s.out_ids)])
+        else:
+            tok = sample_next(logits, r.sampling, s.generator, s.out_ids)
+        s.out_ids.append(tok)
+        sp = r.sampling
+        if tok in sp.stop_token_ids or (tok in self.eos_ids and not sp.ignore_eos):
+            s.finish = "stop"
+            return tok, s.stops.feed(s.detok.flush()) + s.stops.finish()
+        text = s.stops.feed(s.detok.push(tok))
+        if s.stops.stopped:
+            s.finish = "stop"
+        elif len(s.out_ids) >= s.max_new:
+            s.finish = "length"
+            text += s.stops.feed(s.detok.flush())
+            if s.stops.stopped:
+                s.finish = "stop"
+            text += s.stops.finish()
+        return tok, text
 
     def eos_default(self) -> int:
         return min(self.eos_ids) if self.eos_ids else 0
 
-    def _final(self, i, r, out_ids, stops, detoks, finished, prompt_lens, stack, batch, t_prefill, t_decode,
-               steps, padding_fraction, peak_kv, after_prefill_kv, flush: bool) -> Delta:
-        decode_s = time.perf_counter() - t_decode
-        n = len(out_ids[i])
+    def _final(self, i: int, s: _Slot, run: _RunStats, batch: BatchState, tok: int | None = None,
+               text: str = "") -> Delta:
+        decode_s = time.perf_counter() - run.t_decode
+        n = len(s.out_ids)
         tele = {
-            "policy": stack.name,
-            "prefill_s": round(t_prefill, 4),
+            "policy": run.policy,
+            "prefill_s": round(run.prefill_s, 4),
             "decode_s": round(decode_s, 4),
             "decode_tok_s": round(n / decode_s, 2) if decode_s > 0 and n else 0.0,
             "batch_size": batch.batch_size,
-            "padding_fraction": round(padding_fraction, 4),
-            "kv_bytes_after_prefill": int(after_prefill_kv[i]),
-            "kv_bytes_peak": int(peak_kv[i]),
+            "padding_fraction": round(run.padding_fraction, 4),
+            "kv_bytes_after_prefill": int(run.kv_after_prefill[i]),
+            "kv_bytes_peak": int(run.kv_peak[i]),
             "kv_bytes_final": int(batch.cache.nbytes_per_slot()[i]),
         }
-        tele.update(stack.telemetry(i))
-        comp = Completion(request_id=r.request_id, text=stops[i].text, token_ids=list(out_ids[i]),
-                          finish_reason=finished[i] or "stop", prompt_tokens=prompt_lens[i],
-                          completion_tokens=n, telemetry=tele)
-        return Delta(r.request_id, [], "", finished=True, finish_reason=comp.finish_reason, result=comp)
+        tele.update(batch.policy.telemetry(i))
+        comp = Completion(request_id=s.req.request_id, text=s.stops.text, token_ids=list(s.out_ids),
+                          finish_reason=s.finish or "stop", prompt_tokens=s.prompt_len,
+                          completion_tokens=n, telemetry=tele, greedy_ids=list(s.greedy_ids),
+                          logprobs=torch.stack(s.logprob_rows) if s.logprob_rows else None)
+        return Delta(s.req.request_id, [] if tok is None else [tok], text, finished=True,
+                     finish_reason=comp.finish_reason, result=comp)
+
+
+@dataclass
+class _Slot:
+    """Decode-loop state of one request in a batch."""
+
+    req: GenRequest
+    prompt_len: int
+    max_new: int
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    out_ids: list[int] = field(default_factory=list)
+    greedy_ids: list[int] = field(default_factory=list)
+    logprob_rows: list[torch.Tensor] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class _RunStats:
+    policy: str
+    prefill_s: float
+    padding_fraction: float
+    kv_after_prefill: torch.Tensor
+    kv_peak: torch.Tensor | None = None
+    t_decode: float = 0.0
+    steps: int = 0
 
 
 def group_by_length(requests: list[GenRequest], max_batch: int) -> list[list[GenRequest]]:

@@ -1,0 +1,73 @@
+"""`cotserve bench fidelity`: how closely a policy follows dense decoding.
+
+Dense greedy decoding produces `steps` reference tokens from each long prompt. Each policy then
+decodes the same prompts under teacher forcing (the reference tokens are fed back, so both see the
+same history) and we compare, at every step, the policy's next-token distribution with dense's:
+
+* top-1 agreement: fraction of steps where the policy's argmax equals dense's;
+* mean KL(dense || policy) of the next-token distributions (nats);
+* the policy's own telemetry (retained ratio, slow-step ratio, skipped groups, KV bytes, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cotserve.bench.decode import _options_for
+from cotserve.engine.native import GenRequest, NativeEngine
+from cotserve.engine.sampling import SamplingParams
+from cotserve.models import load_model
+from cotserve.policies.registry import build_policy, parse_options
+
+
+def _run(engine: NativeEngine, prompts: list[list[int]], steps: int, policy: str, options: dict[str, Any],
+         forced: list[list[int]] | None) -> list:
+    stack = build_policy(policy, options)
+    reqs = [GenRequest(p, SamplingParams(max_tokens=steps, ignore_eos=True), record_logprobs=True,
+                       forced_ids=None if forced is None else forced[i]) for i, p in enumerate(prompts)]
+    return engine.generate(reqs, stack)
+
+
+def compare(reference: list, results: list) -> dict[str, Any]:
+    agree, total, kls = 0, 0, []
+    for ref, res in zip(reference, results, strict=True):
+        n = min(len(ref.greedy_ids), len(res.greedy_ids))
+        agree += sum(int(a == b) for a, b in zip(ref.greedy_ids[:n], res.greedy_ids[:n], strict=True))
+        total += n
+        p = ref.logprobs[:n].float()
+        q = res.logprobs[:n].float()
+        kls.append((p.exp() * (p - q)).sum(-1).clamp_min(0))
+    kl = torch.cat(kls)
+    return {"top1_agreement": round(agree / max(total, 1), 4), "mean_kl": round(float(kl.mean()), 5),
+            "max_kl": round(float(kl.max()), 4), "steps_compared": total}
+
+
+def run_fidelity_bench(policies: list[str], context: int, steps: int, batch: int, policy_opt: list[str] | None,
+                       policy_file: str | None, model: str, data_dir: str | None, device: str,
+                       dtype: str) -> dict[str, Any]:
+    from cotserve.bench.prompts import long_prompts
+
+    options = parse_options(policy_opt, policy_file)
+    for p in policies:
+        build_policy(p, _options_for(p, options))
+    engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=batch)
+    prompts = long_prompts(engine.tokenizer, context, batch, data_dir)
+    reference = _run(engine, prompts, steps, "dense", {}, None)
+    forced = [r.token_ids for r in reference]
+    rows = []
+    for p in policies:
+        opts = _options_for(p, options)
+        results = _run(engine, prompts, steps, p, opts, forced)
+        row: dict[str, Any] = {"policy": build_policy(p, opts).name, **compare(reference, results)}
+        tele: dict[str, float] = {}
+        for key in results[0].telemetry:
+            vals = [r.telemetry[key] for r in results if isinstance(r.telemetry.get(key), (int, float))]
+            if vals and key not in ("prefill_s", "decode_s", "decode_tok_s", "batch_size"):
+                tele[key] = round(sum(vals) / len(vals), 4)
+        row["telemetry"] = tele
+        rows.append(row)
+    return {"bench": "fidelity", "model": model, "device": str(engine.device),
+            "dtype": str(engine.dtype).replace("torch.", ""), "context": context, "steps": steps, "batch": batch,
+            "policy_options": options, "torch": torch.__version__, "results": rows}
