@@ -61,7 +61,20 @@ def grouped_attention(
 
 
 def dense_decode(q: torch.Tensor, batch: BatchState, layer: int) -> torch.Tensor:
-    """Dense single-token attention over every valid cache entry: the baseline decode step."""
+    """Dense single-token attention over every valid cache entry: the baseline decode step.
+
+    On CUDA it runs the Triton two-source decode kernel (kernels/decode_attention.py) with an
+    empty first source; elsewhere the plain torch GQA attention."""
+    if q.device.type == "cuda":
+        from cotserve.kernels.decode_attention import HAVE_TRITON, decode_attention_triton
+
+        if HAVE_TRITON:
+            cache = batch.cache
+            k, v = cache.k[layer], cache.v[layer]
+            lens = cache.lens[layer].unsqueeze(1).expand(-1, k.shape[1])
+            zeros = torch.zeros_like(lens)
+            out = decode_attention_triton(q[:, :, 0], k, v, zeros, k, v, zeros, lens, zeros, batch.scaling)
+            return out.unsqueeze(2)
     k, v, valid = batch.cache.view(layer)
     return grouped_attention(q, k, v, valid.unsqueeze(1), batch.scaling)
 
