@@ -34,6 +34,8 @@ class KVCache:
         self.pos = torch.full(size[:4], -1, dtype=torch.long, device=device)
         self.lens = torch.zeros(shape.layers, shape.slots, dtype=torch.long, device=device)
         self.device = device
+        self.checked = True  # False inside a CUDA graph (no host syncs there; capacity is planned)
+        self._slots = torch.arange(shape.slots, device=device)
 
     @property
     def capacity(self) -> int:
@@ -61,9 +63,9 @@ class KVCache:
     def write_decode(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Append one entry per slot (k, v [B, Hkv, 1, D]) at index lens[layer, slot]."""
         idx = self.lens[layer]
-        if int(idx.max()) >= self.capacity:
+        if self.checked and int(idx.max()) >= self.capacity:
             raise ValueError("KV cache full: capacity planning is wrong")
-        slots = torch.arange(k.shape[0], device=self.device)
+        slots = self._slots
         self.k[layer, slots, :, idx] = k[:, :, 0]
         self.v[layer, slots, :, idx] = v[:, :, 0]
         self.pos[layer, slots, :, idx] = positions.view(-1, 1).expand(-1, k.shape[1])

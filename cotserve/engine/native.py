@@ -103,8 +103,9 @@ class Completion:
 class NativeEngine:
     """Batched generation with cotserve's cache and policies on a transformers model."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 8):
+    def __init__(self, loaded: LoadedModel, max_batch: int = 8, cuda_graphs: bool = True):
         _register_attention()
+        self.cuda_graphs = cuda_graphs
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -239,6 +240,12 @@ class NativeEngine:
         run.kv_peak = run.kv_after_prefill.clone()
         run.t_decode = time.perf_counter()
         batch.mode = "decode"
+        graph = None
+        if self.cuda_graphs and self.device.type == "cuda" and stack.graph_safe():
+            t_cap = time.perf_counter()
+            graph = _DecodeGraph(self, batch)
+            run.extra["cuda_graph_capture_s"] = round(time.perf_counter() - t_cap, 4)
+            run.t_decode = time.perf_counter()
         while True:
             step_deltas: list[Delta] = []
             next_tokens = torch.full((bsz,), self.eos_default(), dtype=torch.long, device=self.device)
@@ -262,9 +269,13 @@ class NativeEngine:
             if all(s.finish is not None for s in slots):
                 break
             # one decode step for the whole batch (finished slots ride along, ignored)
-            batch.positions = plen_t + torch.tensor([len(s.out_ids) for s in slots], device=self.device) - 1
+            positions = plen_t + torch.tensor([len(s.out_ids) for s in slots], device=self.device) - 1
             batch.step = run.steps
-            hidden = self.forward(next_tokens.view(-1, 1), batch.positions.view(-1, 1), batch)
+            if graph is not None:
+                hidden = graph.replay(next_tokens, positions)
+            else:
+                batch.positions = positions
+                hidden = self.forward(next_tokens.view(-1, 1), positions.view(-1, 1), batch)
             stack.after_forward(batch)
             torch.maximum(run.kv_peak, cache.nbytes_per_slot(), out=run.kv_peak)
             logits = self.logits(hidden[:, -1])
@@ -313,6 +324,7 @@ class NativeEngine:
             "kv_bytes_after_prefill": int(run.kv_after_prefill[i]),
             "kv_bytes_peak": int(run.kv_peak[i]),
             "kv_bytes_final": int(batch.cache.nbytes_per_slot()[i]),
+            **run.extra,
         }
         tele.update(batch.policy.telemetry(i))
         comp = Completion(request_id=s.req.request_id, text=s.stops.text, token_ids=list(s.out_ids),
@@ -348,6 +360,41 @@ class _RunStats:
     kv_peak: torch.Tensor | None = None
     t_decode: float = 0.0
     steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _DecodeGraph:
+    """The whole one-token decode forward captured in a CUDA graph (static shapes: the batch's
+    slots and the cache capacity are fixed, lengths live on the device). Used only for stacks
+    whose hooks are `graph_safe` (dense); replaying it costs one launch per step instead of
+    several per layer."""
+
+    def __init__(self, engine: NativeEngine, batch: BatchState):
+        bsz = batch.batch_size
+        dev = engine.device
+        self.batch = batch
+        self.ids = torch.zeros((bsz, 1), dtype=torch.long, device=dev)
+        self.pos = batch.prompt_lens.view(-1, 1).clone()
+        batch.positions = self.pos.view(-1)
+        cache = batch.cache
+        cache.checked = False
+        saved = cache.lens.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up (kernel compilation, allocator) off the graph
+            engine.forward(self.ids, self.pos, batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        cache.lens.copy_(saved)  # the warm-up's write is garbage; the next real write replaces it
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.hidden = engine.forward(self.ids, self.pos, batch)
+
+    def replay(self, next_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(next_tokens.view(-1, 1))
+        self.pos.copy_(positions.view(-1, 1))
+        self.graph.replay()
+        self.batch.hidden = self.hidden
+        return self.hidden
 
 
 def group_by_length(requests: list[GenRequest], max_batch: int) -> list[list[GenRequest]]:

@@ -91,6 +91,9 @@ class Policy:
     name: ClassVar[str] = "base"
     axis: ClassVar[str] = Axis.READ
     config_cls: ClassVar[type[PolicyConfig]] = PolicyConfig
+    # True when every decode-time hook is static-shaped and free of host syncs, so the engine may
+    # capture the decode step in a CUDA graph. Policies with slow steps / compaction leave it False.
+    graph_safe: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig | None = None):
         self.config = config if config is not None else self.config_cls()
@@ -129,6 +132,9 @@ class PolicyStack:
     @property
     def name(self) -> str:
         return "+".join(p.name for p in self.parts) or "dense"
+
+    def graph_safe(self) -> bool:
+        return all(p.graph_safe for p in self.parts)
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
         full = max(prompt_lens) + max_new + 1
