@@ -83,13 +83,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attend_segment(q, acc, m_i, l_i, K, V, base_k, base_v, start, n, stride_ks, stride_vs, scale,
-                        offs_d, BLOCK_N: tl.constexpr):
+                        offs_d, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         for blk in range(0, n, BLOCK_N):
             offs_n = blk + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n
             k = tl.load(K + base_k + (start + offs_n)[:, None] * stride_ks + offs_d[None, :],
                         mask=mask_n[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_G, BLOCK_N]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [BLOCK_G, BLOCK_N]
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -97,7 +97,7 @@ if HAVE_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V + base_v + (start + offs_n)[:, None] * stride_vs + offs_d[None, :],
                         mask=mask_n[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         return acc, m_i, l_i
 
@@ -105,7 +105,8 @@ if HAVE_TRITON:
     def _two_source_kernel(Q, K1, V1, K2, V2, Out, LEN1, START2, LEN2, SKIP, scale,
                            sqb, sqh, sk1b, sk1h, sk1s, sv1b, sv1h, sv1s,
                            sk2b, sk2h, sk2s, sv2b, sv2h, sv2s, sob, soh, HKV,
-                           G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                           G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                           PRECISION: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_g = tl.arange(0, BLOCK_G)
@@ -120,11 +121,11 @@ if HAVE_TRITON:
         if skip == 0:
             n1 = tl.load(LEN1 + b * HKV + h)
             acc, m_i, l_i = _attend_segment(q, acc, m_i, l_i, K1, V1, b * sk1b + h * sk1h, b * sv1b + h * sv1h,
-                                            0, n1, sk1s, sv1s, scale, offs_d, BLOCK_N)
+                                            0, n1, sk1s, sv1s, scale, offs_d, BLOCK_N, PRECISION)
             s2 = tl.load(START2 + b * HKV + h)
             n2 = tl.load(LEN2 + b * HKV + h)
             acc, m_i, l_i = _attend_segment(q, acc, m_i, l_i, K2, V2, b * sk2b + h * sk2h, b * sv2b + h * sv2h,
-                                            s2, n2, sk2s, sv2s, scale, offs_d, BLOCK_N)
+                                            s2, n2, sk2s, sv2s, scale, offs_d, BLOCK_N, PRECISION)
         denom = tl.where(l_i > 0, l_i, 1.0)
         out = acc / denom[:, None]
         tl.store(Out + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask_g[:, None])
@@ -157,6 +158,8 @@ def decode_attention_triton(q, k1, v1, len1, k2, v2, start2, len2, skip, scale: 
         k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1), v2.stride(2),
         out.stride(0), out.stride(1), hkv,
         G=g, BLOCK_G=block_g, BLOCK_N=block_n, D=d,
+        # float32 inputs keep full precision (no tf32); bf16/fp16 use the tensor cores as they are
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
 
