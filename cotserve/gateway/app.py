@@ -231,6 +231,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         """The job's events; cancels it when the client goes away (shielded: also on cancellation)."""
         after = "0"
         finished = False
+        last_check = time.monotonic()
         try:
             while True:
                 try:
@@ -244,8 +245,11 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
                     yield ev
                     if finished:
                         return
-                if not evs and await request.is_disconnected():
-                    return
+                now = time.monotonic()
+                if not evs or now - last_check >= settings.poll_s:
+                    last_check = now
+                    if await request.is_disconnected():
+                        return
         finally:
             if not finished:
                 await asyncio.shield(_cancel(job.id))

@@ -133,3 +133,51 @@ def _set_threads(n: int | None) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """A uvicorn server for `app` on a thread of this process (tests, notebooks).
+
+    `with ServerThread(app) as url: ...` serves on a free loopback port until the block ends."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        import uvicorn
+
+        self.host = host
+        self.port = port or free_port(host)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level,
+                                                   timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> str:
+        import time
+
+        self.thread.start()
+        deadline = time.time() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise CotserveError(f"the server on port {self.port} did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
