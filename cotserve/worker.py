@@ -82,7 +82,13 @@ class Worker:
         hb.start()
         try:
             while not self.stop_event.is_set():
-                if not self.run_once():
+                try:
+                    busy = self.run_once()
+                except Exception:  # e.g. Redis went away: keep trying, do not die
+                    log.exception("queue error; retrying in 1 s")
+                    self.stop_event.wait(1.0)
+                    continue
+                if not busy:
                     self.stop_event.wait(self.poll_s)
         finally:
             self.stop_event.set()

@@ -158,6 +158,8 @@ def test_ops_endpoints(server):
     assert ready["status"] == "ready" and ready["workers"] == 1
     models = httpx.get(server.url + "/v1/models").json()
     assert models["data"][0]["id"] == MODEL
+    assert httpx.get(server.url + f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert err(httpx.get(server.url + "/v1/models/nope"), 404)["code"] == "model_not_found"
     spec = httpx.get(server.url + "/openapi.json").json()
     post_op = spec["paths"]["/v1/chat/completions"]["post"]
     assert post_op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("ChatCompletionRequest")
@@ -285,3 +287,27 @@ def test_non_streaming_disconnect_cancels(server):
             c.post(server.url + "/v1/chat/completions", json=body(max_tokens=4000, ignore_eos=True))
     wait_for(lambda: any(e.state == "cancelled" for e in server.queue._jobs.values()), what="job cancelled")
     wait_for(lambda: not any(e.state == "claimed" for e in server.queue._jobs.values()), what="slot free")
+
+
+# -- command line ----------------------------------------------------------------------------------
+def _cli(*args, env_extra=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COTSERVE_API_KEYS"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "cotserve.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_serve_refuses_public_bind_without_key():
+    r = _cli("serve", "--host", "0.0.0.0", "--port", "1")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: refusing to serve on 0.0.0.0 without an API key")
+    assert "Traceback" not in r.stderr
+
+
+def test_worker_reports_unreachable_redis():
+    r = _cli("worker", "--redis-url", "redis://127.0.0.1:1/0")
+    assert r.returncode == 2 and r.stderr.startswith("error: cannot reach Redis at redis://127.0.0.1:1/0")

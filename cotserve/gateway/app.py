@@ -109,6 +109,17 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
+    last_ready = [0.0]
+
+    async def request_ready() -> None:
+        """503 unless ready; a positive answer is trusted for a second (saves queue round trips)."""
+        if time.monotonic() - last_ready[0] < 1.0:
+            return
+        ok, why, _ = await readiness()
+        if not ok:
+            raise APIError(503, why, code="not_ready", headers={"Retry-After": "1"})
+        last_ready[0] = time.monotonic()
+
     async def readiness() -> tuple[bool, str, dict[str, int]]:
         try:
             if not await queue.ping():
@@ -146,15 +157,20 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.model_name, created=created, max_model_len=prompts.context_len)])
 
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[Depends(auth)],
+             responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+    async def model(model_id: str) -> ModelCard:
+        if model_id != settings.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return ModelCard(id=settings.model_name, created=created, max_model_len=prompts.context_len)
+
     @app.post(CHAT_PATH, response_model=ChatCompletion, dependencies=[Depends(auth)],
               responses={**err_responses, 200: {"content": {"text/event-stream": {}},
                                                 "description": "JSON, or SSE chunks when stream is true"}})
     async def chat(body: ChatCompletionRequest, request: Request):
         try:
             job = await _make_job(body)
-            ok, why, _ = await readiness()
-            if not ok:
-                raise APIError(503, why, code="not_ready", headers={"Retry-After": "1"})
+            await request_ready()
             try:
                 await queue.submit(job, settings.max_pending)
             except QueueFull as exc:
@@ -306,6 +322,14 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
             obj.update(extra)
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    async def _guard(gen):
+        """Turn a backend failure mid-stream into an in-stream error event."""
+        try:
+            async for ev in gen:
+                yield ev
+        except APIError as exc:
+            yield {"t": "error", "status": exc.status, "code": exc.code, "message": exc.message}
+
     async def _stream(job: Job, request: Request, include_usage: bool):
         import json
 
@@ -315,7 +339,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         gen = _events(job, request)
         try:
             yield _chunk(job, {"role": "assistant", "content": ""}, None, include_usage)
-            async for ev in gen:
+            async for ev in _guard(gen):
                 if ev["t"] == "delta":
                     reasoning, content = rs.feed(ev["text"])
                 elif ev["t"] == "done":
