@@ -178,7 +178,7 @@ def worker(
     max_batch: MaxBatchOpt = 8,
     batch_wait: BatchWaitOpt = 0.02,
     worker_id: Annotated[str | None, typer.Option(help="Name in the queue (default: host-pid-random).")] = None,
-    heartbeat: Annotated[float, typer.Option(help="Heartbeat period in seconds; a worker silent for 3 periods "
+    heartbeat: Annotated[float, typer.Option(help="Heartbeat period in seconds; a worker silent for 5 periods "
                                              "loses its jobs to the others.")] = 1.0,
     threads: ThreadsOpt = None,
     device: DeviceOpt = "auto",

@@ -34,6 +34,9 @@ from cotserve.queue.base import Job, JobQueue
 
 log = logging.getLogger("cotserve.worker")
 
+# A worker whose heartbeat is this many periods old counts as dead (room for a busy, shared machine).
+HEARTBEAT_MISSES = 5
+
 
 @dataclass
 class _Resume:
@@ -78,7 +81,7 @@ class Worker:
     def run(self) -> None:
         """Serve until `stop()`; then hand back unfinished jobs."""
         hb = threading.Thread(target=self._heartbeat_loop, name="cotserve-heartbeat", daemon=True)
-        self.queue.heartbeat(self.worker_id, 3 * self.heartbeat_s)
+        self.queue.heartbeat(self.worker_id, HEARTBEAT_MISSES * self.heartbeat_s)
         hb.start()
         try:
             while not self.stop_event.is_set():
@@ -103,7 +106,7 @@ class Worker:
     def _heartbeat_loop(self) -> None:
         while not self.stop_event.wait(self.heartbeat_s):
             try:
-                self.queue.heartbeat(self.worker_id, 3 * self.heartbeat_s)
+                self.queue.heartbeat(self.worker_id, HEARTBEAT_MISSES * self.heartbeat_s)
             except Exception:
                 log.warning("heartbeat failed", exc_info=True)
 

@@ -195,6 +195,8 @@ def err(r, status):
     ({"cotserve": {"policy": "dense", "options": {"k": 3}}}, "cotserve.options"),
     ({"cotserve": {"polcy": "dense"}}, "cotserve.polcy"),
     ({"model": None}, "model"),
+    ({"seed": 2**70}, "seed"),
+    ({"stop": [1, 2]}, "stop"),
 ])
 def test_400_names_the_field(server, patch, param):
     e = err(post(server.url, body(**patch)), 400)

@@ -45,7 +45,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): 0 = no top-k cut.")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     n: int | None = Field(1, description="Only 1 is supported.")
     stream: bool = False
