@@ -211,6 +211,7 @@ def test_400_bad_json(server):
 def test_404_unknown_model(server):
     e = err(post(server.url, body(model="gpt-17")), 404)
     assert e["code"] == "model_not_found" and e["param"] == "model"
+    assert 'cotserve_requests_total{status="404"}' in httpx.get(server.url + "/metrics").text
     from openai import NotFoundError, OpenAI
 
     with pytest.raises(NotFoundError):

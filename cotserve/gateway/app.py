@@ -168,19 +168,16 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
               responses={**err_responses, 200: {"content": {"text/event-stream": {}},
                                                 "description": "JSON, or SSE chunks when stream is true"}})
     async def chat(body: ChatCompletionRequest, request: Request):
+        # error statuses are counted by the exception handlers (errors.install)
+        job = await _make_job(body)
+        await request_ready()
         try:
-            job = await _make_job(body)
-            await request_ready()
-            try:
-                await queue.submit(job, settings.max_pending)
-            except QueueFull as exc:
-                raise APIError(429, "the queue is full; retry later", code="queue_full",
-                               headers={"Retry-After": str(max(1, int(exc.retry_after)))}) from exc
-            except QueueUnavailable as exc:
-                raise APIError(503, str(exc), code="queue_unavailable", headers={"Retry-After": "1"}) from exc
-        except APIError as exc:
-            metrics.requests.labels(str(exc.status)).inc()
-            raise
+            await queue.submit(job, settings.max_pending)
+        except QueueFull as exc:
+            raise APIError(429, "the queue is full; retry later", code="queue_full",
+                           headers={"Retry-After": str(max(1, int(exc.retry_after)))}) from exc
+        except QueueUnavailable as exc:
+            raise APIError(503, str(exc), code="queue_unavailable", headers={"Retry-After": "1"}) from exc
         metrics.in_flight.inc()
         if body.stream:
             metrics.requests.labels("200").inc()
@@ -189,9 +186,6 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             result = await _collect(job, request)
-        except APIError as exc:
-            metrics.requests.labels(str(exc.status)).inc()
-            raise
         finally:
             metrics.in_flight.dec()
         metrics.requests.labels("200").inc()

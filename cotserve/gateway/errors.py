@@ -43,13 +43,22 @@ def _loc(loc: tuple) -> str:
     return out
 
 
+def _count(request: Request, status: int) -> None:
+    """Error statuses of chat completions go to the requests counter (when the app has metrics)."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None and request.url.path.endswith("/chat/completions"):
+        metrics.requests.labels(str(status)).inc()
+
+
 def install(app) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError):
+    async def _api_error(request: Request, exc: APIError):
+        _count(request, exc.status)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
+        _count(request, 400)
         errs = exc.errors()
         if not errs:
             return APIError(400, "invalid request body").response()
