@@ -147,6 +147,8 @@ def serve(
                                                        "(OpenAI's default is 1).")] = 1.0,
     served_model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: the model's "
                                                           "short name).")] = None,
+    queue_timeout: Annotated[float | None, typer.Option(help="Seconds a request may wait for a worker before "
+                                                        "it fails with 503 (default: no limit).")] = None,
     threads: ThreadsOpt = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     device: DeviceOpt = "auto",
@@ -163,7 +165,7 @@ def serve(
                          redis_url=redis_url, key_prefix=key_prefix, api_key_file=api_key_file, insecure=insecure,
                          max_pending=max_queue, default_max_tokens=default_max_tokens,
                          default_temperature=default_temperature, served_model_name=served_model_name,
-                         log_level=log_level)
+                         queue_timeout=queue_timeout, log_level=log_level)
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                    max_wait=batch_wait, threads=threads))
     except CotserveError as exc:

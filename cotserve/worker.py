@@ -146,6 +146,11 @@ class Worker:
         resume: dict[str, _Resume] = {}
         live: dict[str, Job] = {}
         for job in jobs:
+            if job.deadline is not None and job.attempts == 1 and time.time() > job.deadline:
+                self._error(job, 503, "queue_timeout",
+                            f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
+                            "server's --queue-timeout; retry later")
+                continue
             if job.attempts > 1:
                 st, ended = _published_state(self.queue.published(job.id))
                 if ended:  # the earlier worker finished it but died before acknowledging

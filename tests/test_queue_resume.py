@@ -93,3 +93,13 @@ def test_unstarted_job_is_simply_rerun(engine):
     q, job = first_attempt(engine, sampling, publish_tokens=0)
     finish_on_other_worker(engine, q)
     assert q.published(job.id)[-1]["t"] == "done"
+
+
+def test_job_past_its_deadline_fails_with_503(engine):
+    q = InProcessQueue()
+    job = Job(prompt_ids=engine.apply_chat_template([{"role": "user", "content": "Hi"}]),
+              sampling={"max_tokens": 2}, created=time.time() - 10, deadline=time.time() - 1)
+    asyncio.run(q.submit(job, 10))
+    Worker(engine, q, worker_id="w").run_once()
+    (ev,) = q.published(job.id)
+    assert ev["t"] == "error" and ev["status"] == 503 and ev["code"] == "queue_timeout"

@@ -73,6 +73,7 @@ class GatewaySettings:
     default_max_tokens: int = 1024
     default_temperature: float = 1.0
     poll_s: float = 0.5  # how often a waiting request checks for a client disconnect
+    queue_timeout: float | None = None  # seconds a job may wait for a worker before it fails with 503
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -235,7 +236,10 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": body.top_p or 1.0,
                     "top_k": body.top_k or 0, "seed": seed, "stop": stop, "ignore_eos": body.ignore_eos}
-        return Job(prompt_ids=ids, sampling=sampling, policy=policy, options=options)
+        job = Job(prompt_ids=ids, sampling=sampling, policy=policy, options=options)
+        if settings.queue_timeout:
+            job.deadline = job.created + settings.queue_timeout
+        return job
 
     async def _events(job: Job, request: Request):
         """The job's events; cancels it when the client goes away (shielded: also on cancellation)."""

@@ -43,6 +43,7 @@ class ServeArgs:
     default_max_tokens: int = 1024
     default_temperature: float = 1.0
     served_model_name: str | None = None
+    queue_timeout: float | None = None
     log_level: str = "info"
 
 
@@ -90,7 +91,8 @@ def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
     settings = GatewaySettings(
         model_name=args.served_model_name or model_slug(engine_args.model), policy=args.policy,
         policy_options=args.policy_options, api_keys=keys, max_pending=args.max_pending,
-        default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature)
+        default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature,
+        queue_timeout=args.queue_timeout)
     app = create_app(settings, queue, prompts)
     if not args.redis_url:
         start_worker_thread(engine_args, queue)

@@ -52,6 +52,7 @@ class Job:
     options: dict[str, Any] = field(default_factory=dict)
     id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: float = field(default_factory=time.time)
+    deadline: float | None = None  # unix time after which a job not yet started is dropped (503)
     attempts: int = 0  # set by the queue at claim time (1 = first run)
     claimed_at: float = 0.0
 
