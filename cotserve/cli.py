@@ -144,6 +144,114 @@ def bench_fidelity(
     _emit_json(report, json_out)
 
 
+RedisUrlOpt = Annotated[str | None, typer.Option("--redis-url", help="Redis URL (e.g. redis://127.0.0.1:6379/0); "
+                                                "without it, serve runs queue and worker in-process.")]
+KeyPrefixOpt = Annotated[str, typer.Option("--key-prefix", help="Prefix of every Redis key (several deployments "
+                                           "can share one Redis).")]
+MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="B: the most jobs a worker decodes as one batch.")]
+BatchWaitOpt = Annotated[float, typer.Option("--batch-wait", help="Seconds a worker lets a group fill up to B "
+                                             "before it claims fewer (measured from the oldest job's arrival).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's).")]
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Bind address; a non-loopback one needs an API key or --insecure.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    model: ModelOpt = "smollm2-135m-instruct",
+    policy: Annotated[str, typer.Option(help="Default policy for requests without a cotserve object.")] = "dense",
+    policy_opt: PolicyOptOpt = None,
+    policy_file: PolicyFileOpt = None,
+    redis_url: RedisUrlOpt = None,
+    key_prefix: KeyPrefixOpt = "cotserve:",
+    api_key_file: Annotated[str | None, typer.Option(help="File of API keys, one a line (also $COTSERVE_API_KEYS, "
+                                                     "comma-separated).")] = None,
+    insecure: Annotated[bool, typer.Option(help="Allow a non-loopback --host without API keys.")] = False,
+    max_batch: MaxBatchOpt = 8,
+    batch_wait: BatchWaitOpt = 0.02,
+    max_queue: Annotated[int, typer.Option(help="Pending jobs accepted before requests get 429.")] = 256,
+    default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none (capped by "
+                                                    "the context).")] = 1024,
+    default_temperature: Annotated[float, typer.Option(help="temperature when a request gives none "
+                                                       "(OpenAI's default is 1).")] = 1.0,
+    served_model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: the model's "
+                                                          "short name).")] = None,
+    queue_timeout: Annotated[float | None, typer.Option(help="Seconds a request may wait for a worker before "
+                                                        "it fails with 503 (default: no limit).")] = None,
+    threads: ThreadsOpt = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Serve the OpenAI-compatible API (gateway + in-process queue and worker by default)."""
+    try:
+        from cotserve.gateway.server import EngineArgs, ServeArgs, run_serve
+        from cotserve.policies.registry import parse_options
+
+        if max_queue < 1 or max_batch < 1:
+            raise CotserveError("--max-queue and --max-batch must be at least 1")
+        args = ServeArgs(host=host, port=port, policy=policy, policy_options=parse_options(policy_opt, policy_file),
+                         redis_url=redis_url, key_prefix=key_prefix, api_key_file=api_key_file, insecure=insecure,
+                         max_pending=max_queue, default_max_tokens=default_max_tokens,
+                         default_temperature=default_temperature, served_model_name=served_model_name,
+                         queue_timeout=queue_timeout, log_level=log_level)
+        run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
+                                   max_wait=batch_wait, threads=threads))
+    except CotserveError as exc:
+        fail(str(exc))
+
+
+@app.command()
+def worker(
+    redis_url: Annotated[str, typer.Option("--redis-url", help="Redis URL the gateway uses.")],
+    key_prefix: KeyPrefixOpt = "cotserve:",
+    model: ModelOpt = "smollm2-135m-instruct",
+    max_batch: MaxBatchOpt = 8,
+    batch_wait: BatchWaitOpt = 0.02,
+    worker_id: Annotated[str | None, typer.Option(help="Name in the queue (default: host-pid-random).")] = None,
+    heartbeat: Annotated[float, typer.Option(help="Heartbeat period in seconds; a worker silent for 5 periods "
+                                             "loses its jobs to the others.")] = 1.0,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Decode jobs from a Redis queue (run as many as wanted next to `serve --redis-url`)."""
+    try:
+        from cotserve.gateway.server import EngineArgs, run_worker
+
+        run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
+                                                     max_wait=batch_wait, threads=threads),
+                   worker_id=worker_id, heartbeat_s=heartbeat)
+    except CotserveError as exc:
+        fail(str(exc))
+
+
+@bench_app.command("serve")
+def bench_serve(
+    url: Annotated[str, typer.Option(help="Server base URL.")] = "http://127.0.0.1:8000",
+    concurrency: Annotated[int, typer.Option(help="Concurrent clients.")] = 8,
+    requests: Annotated[int, typer.Option(help="Requests in total.")] = 64,
+    stream: Annotated[bool, typer.Option(help="Use SSE streaming (measures time to first token).")] = False,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of each request.")] = 32,
+    temperature: Annotated[float, typer.Option(help="temperature of each request.")] = 0.0,
+    model: Annotated[str | None, typer.Option(help="Model id (default: the first of /v1/models).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="API key (default: $COTSERVE_API_KEY).")] = None,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+) -> None:
+    """Load-test a running server: latency p50/p95/p99, time to first token, tok/s, errors."""
+    import httpx
+
+    from cotserve.bench.serve import run_serve_bench
+
+    try:
+        report = run_serve_bench(url, concurrency, requests, stream=stream, max_tokens=max_tokens, model=model,
+                                 api_key=api_key or os.environ.get("COTSERVE_API_KEY"), temperature=temperature)
+    except (httpx.HTTPError, ValueError) as exc:
+        fail(f"bench serve against {url}: {exc}")
+        return
+    _emit_json(report, json_out)
+
+
 def _emit_json(report: dict, path: str | None) -> None:
     import json
 

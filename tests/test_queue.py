@@ -1,0 +1,176 @@
+"""The job queue, Redis and in-process, against the same expectations (no model needed).
+
+The Redis claim script is checked against its plain-Python twin `pick_group` on random inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+
+from cotserve.queue import InProcessQueue, Job, QueueFull, pick_group
+from cotserve.queue.redis_queue import RedisQueue
+
+REDIS_URL = "redis://127.0.0.1:6379/5"
+
+
+@pytest.fixture(params=["memory", "redis"])
+def queue(request):
+    if request.param == "memory":
+        yield InProcessQueue()
+        return
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL).ping()
+    except redis.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    q = RedisQueue(REDIS_URL, prefix=f"cotserve-test-{uuid.uuid4().hex[:8]}:", result_ttl=60)
+    yield q
+    q.drop_all()
+    q.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def submit(q, job, max_pending=1000):
+    run(q.submit(job, max_pending))
+    return job
+
+
+def test_pick_group_closest_lengths():
+    others = [("a", 5), ("b", 12), ("c", 9), ("d", 30), ("e", 11)]
+    assert pick_group(("o", 10), others, 3) == ["o", "c", "e"]  # |9-10| = |11-10|: shorter first
+    assert pick_group(("o", 10), others, 1) == ["o"]
+    assert pick_group(("o", 10), [], 4) == ["o"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_claim_matches_pick_group(queue, seed):
+    rng = random.Random(seed)
+    lengths = rng.sample(range(1, 200), 24)  # distinct: no ties, so the order is unique
+    jobs = []
+    t0 = time.time() - 100
+    for i, n in enumerate(lengths):
+        jobs.append(submit(queue, Job(prompt_ids=[1] * n, created=t0 + i)))
+    remaining = {j.id: j for j in jobs}
+    while remaining:
+        b = rng.randint(1, 6)
+        oldest = min(remaining.values(), key=lambda j: j.created)
+        others = [(j.id, j.prompt_len) for j in remaining.values() if j.id != oldest.id]
+        want = pick_group((oldest.id, oldest.prompt_len), others, b)
+        got = queue.claim("w1", b, 0.0)
+        assert [j.id for j in got] == want
+        assert all(j.attempts == 1 for j in got)
+        for j in got:
+            del remaining[j.id]
+    assert queue.claim("w1", 4, 0.0) == []
+
+
+def test_groups_never_mix_policies(queue):
+    a = [submit(queue, Job(prompt_ids=[1] * (5 + i), policy="dense", options={})) for i in range(3)]
+    b = [submit(queue, Job(prompt_ids=[1] * (5 + i), policy="dense", options={"x": 1})) for i in range(3)]
+    first = queue.claim("w", 8, 0.0)
+    second = queue.claim("w", 8, 0.0)
+    assert {j.id for j in first} == {j.id for j in a}
+    assert {j.id for j in second} == {j.id for j in b}
+
+
+def test_max_wait_lets_a_group_fill(queue):
+    submit(queue, Job(prompt_ids=[1, 2, 3]))
+    assert queue.claim("w", 4, max_wait=3600.0) == []  # fewer than B waiting, oldest is fresh
+    got = queue.claim("w", 4, max_wait=0.0)
+    assert len(got) == 1
+
+
+def test_queue_full(queue):
+    submit(queue, Job(prompt_ids=[1]), max_pending=2)
+    submit(queue, Job(prompt_ids=[1]), max_pending=2)
+    with pytest.raises(QueueFull):
+        submit(queue, Job(prompt_ids=[1]), max_pending=2)
+    queue.claim("w", 1, 0.0)  # running jobs do not count against the limit
+    submit(queue, Job(prompt_ids=[1]), max_pending=2)
+
+
+def test_events_reach_the_reader_in_order(queue):
+    job = submit(queue, Job(prompt_ids=[1, 2]))
+    (claimed,) = queue.claim("w", 1, 0.0)
+
+    async def scenario():
+        reader = asyncio.create_task(queue.read(job.id, "0", 5.0))
+        await asyncio.sleep(0.05)
+        assert queue.publish("w", job.id, [{"t": "delta", "ids": [7], "text": "a"}])
+        first = await reader
+        assert queue.publish("w", job.id, [{"t": "delta", "ids": [8], "text": "b"}, {"t": "done"}])
+        rest = await queue.read(job.id, first[-1][0], 1.0)
+        return [e for _, e in first + rest]
+
+    events = run(scenario())
+    assert [e.get("text") for e in events] == ["a", "b", None]
+    assert queue.published(job.id) == events
+    queue.finish("w", job.id)
+    assert not queue.publish("w", job.id, [{"t": "delta"}])  # acknowledged: nothing more lands
+
+
+def test_cancel_pending_and_running(queue):
+    pending = submit(queue, Job(prompt_ids=[1] * 3, created=time.time() + 10))
+    running = submit(queue, Job(prompt_ids=[1] * 50, created=time.time()))
+    (got,) = queue.claim("w", 1, 0.0)
+    assert got.id == running.id
+    run(queue.cancel(pending.id))
+    run(queue.cancel(running.id))
+    assert queue.claim("w", 4, 0.0) == []  # the pending one is gone
+    assert queue.cancelled([pending.id, running.id]) == {pending.id, running.id}
+    assert run(queue.stats())["pending"] == 0
+
+
+def test_dead_worker_jobs_return_and_old_owner_is_fenced(queue):
+    job = submit(queue, Job(prompt_ids=[1, 2, 3]))
+    queue.heartbeat("dead", ttl=0.2)
+    queue.heartbeat("alive", ttl=60)
+    (c,) = queue.claim("dead", 1, 0.0)
+    assert queue.publish("dead", job.id, [{"t": "delta", "ids": [5], "text": "x"}])
+    assert queue.reap() == []  # still heart-beating
+    time.sleep(0.4)  # let the heartbeat expire (a TTL, not a speed assertion)
+    assert queue.reap() == [job.id]
+    (again,) = queue.claim("alive", 1, 0.0)
+    assert again.id == job.id and again.attempts == 2
+    assert not queue.publish("dead", job.id, [{"t": "delta", "ids": [6], "text": "y"}])
+    assert queue.publish("alive", job.id, [{"t": "delta", "ids": [6], "text": "y"}])
+    assert [e["text"] for e in queue.published(job.id)] == ["x", "y"]
+    assert run(queue.stats())["workers"] == 1
+
+
+def test_leave_hands_jobs_back(queue):
+    job = submit(queue, Job(prompt_ids=[1]))
+    queue.heartbeat("w", ttl=60)
+    queue.claim("w", 1, 0.0)
+    queue.leave("w")
+    (again,) = queue.claim("w2", 1, 0.0)
+    assert again.id == job.id
+
+
+def test_finished_jobs_expire_in_redis():
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL).ping()
+    except redis.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    q = RedisQueue(REDIS_URL, prefix=f"cotserve-test-{uuid.uuid4().hex[:8]}:", result_ttl=30)
+    try:
+        job = submit(q, Job(prompt_ids=[1]))
+        q.claim("w", 1, 0.0)
+        q.publish("w", job.id, [{"t": "done"}])
+        q.finish("w", job.id)
+        assert 0 < q.r.ttl(q.k("job", job.id)) <= 30
+        assert 0 < q.r.ttl(q.k("out", job.id)) <= 30
+        assert q.r.hget(q.k("job", job.id), "state") == "done"
+        assert q.r.scard(q.k("claimed", "w")) == 0
+    finally:
+        q.drop_all()
