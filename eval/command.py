@@ -52,7 +52,10 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
 
         from cotserve.engine.native import NativeEngine
         from cotserve.models import load_model
+        from cotserve.policies.registry import build_policy
 
+        for v in variants:  # a bad policy or option fails before the model is loaded
+            build_policy(v.policy, v.options)
         name = model or "smollm2-135m-instruct"
         backend = LocalBackend(NativeEngine(load_model(name, device=device, dtype=dtype), max_batch=max_batch), name)
     return run_eval(cfg, backend)

@@ -167,12 +167,17 @@ def load_hf_rows(name: str, config: str | None, split: str) -> Iterable[dict[str
         import datasets  # noqa: PLC0415 - optional, heavy
     except ImportError:
         raise CotserveError("--data-source hf needs the `datasets` package (pip install datasets)") from None
-    kwargs: dict[str, Any] = {"split": split}
-    if name == "livecodebench/code_generation_lite":
-        kwargs.update(version_tag=config, trust_remote_code=True)
-        config = None
     try:
-        ds = datasets.load_dataset(name, config, **kwargs) if config else datasets.load_dataset(name, **kwargs)
+        if name == "livecodebench/code_generation_lite":
+            # a script dataset, which `datasets` >= 4 no longer runs: read its release file directly
+            # (release_v1 is test.jsonl, v2 adds test2.jsonl, ...)
+            files = {"release_v1": "test.jsonl"}
+            url = f"hf://datasets/{name}/{files.get(config or 'release_v1', 'test.jsonl')}"
+            ds = datasets.load_dataset("json", data_files=url, split="train")
+        elif config:
+            ds = datasets.load_dataset(name, config, split=split)
+        else:
+            ds = datasets.load_dataset(name, split=split)
     except Exception as exc:  # network, auth (GPQA is gated), missing cache: one clear line
         raise CotserveError(f"cannot load Hugging Face dataset {name} ({config or 'default'}, {split}): {exc}") from None
     return (dict(r) for r in ds)
