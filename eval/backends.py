@@ -163,6 +163,11 @@ class EndpointBackend:
         except openai.APIConnectionError as exc:
             return Output(job, t_start=t0, t_end=time.time(), error=f"connection: {exc}")
         except openai.APIStatusError as exc:
+            per_item = exc.status_code in (408, 429) or exc.status_code >= 500 or \
+                getattr(exc, "code", None) == "context_length_exceeded"
+            if not per_item:  # a bad key, model or policy fails every request alike: stop at once
+                raise CotserveError(f"endpoint {self.url} refused the request: HTTP {exc.status_code}: "
+                                    f"{exc.message}") from None
             return Output(job, t_start=t0, t_end=time.time(), error=f"HTTP {exc.status_code}: {exc.message}")
         except openai.APIError as exc:
             return Output(job, t_start=t0, t_end=time.time(), error=str(exc))
@@ -189,11 +194,10 @@ class EndpointBackend:
                       rtok, choice.finish_reason or "", tele, t0, t1)
 
     def run(self, jobs: list[Job]) -> Iterator[Output]:
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = [pool.submit(self._one, j) for j in jobs]
-            try:
-                for fut in as_completed(futures):
-                    yield fut.result()
-            finally:
-                for f in futures:
-                    f.cancel()
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        futures = [pool.submit(self._one, j) for j in jobs]
+        try:
+            for fut in as_completed(futures):
+                yield fut.result()
+        finally:  # on Ctrl-C: drop what has not started; requests in flight finish on their own
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -148,10 +148,13 @@ def test_interrupted_side_by_side_run_resumes(local, data_dir, tmp_path):
 def make_app(engine, seen: list):
     """A minimal OpenAI-compatible chat-completions app over the real engine (test helper)."""
     from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
     from cotserve.engine.native import GenRequest
     from cotserve.engine.sampling import SamplingParams
     from cotserve.engine.textproc import split_reasoning
+    from cotserve.errors import PolicyError
+    from cotserve.policies.registry import build_policy
 
     app = FastAPI()
     lock = threading.Lock()
@@ -164,6 +167,11 @@ def make_app(engine, seen: list):
     def chat(body: dict):
         seen.append(body)
         cs = body.get("cotserve") or {}
+        try:
+            build_policy(cs.get("policy", "dense"), cs.get("options"))
+        except PolicyError as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error",
+                                           "param": "cotserve.policy", "code": None}}, status_code=400)
         ids = engine.apply_chat_template(body["messages"])
         params = SamplingParams(max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 0.0),
                                 seed=body.get("seed"))
@@ -215,6 +223,13 @@ def test_endpoint_mode_carries_the_policy_per_request(server, data_dir, tmp_path
     assert all(0 < r["completion_tokens"] <= 12 for r in recs)
     assert [(r["policy"], r["n"], r["errors"]) for r in res["runs"]] == [("a", 2, 0), ("b", 2, 0)]
     assert json.loads((tmp_path / "run_config.json").read_text())["backend"]["mode"] == "endpoint"
+
+
+def test_endpoint_refusing_a_policy_stops_the_run(server, data_dir, tmp_path):
+    url, _ = server
+    backend = EndpointBackend(url, None, "bundled", concurrency=2)
+    with pytest.raises(CotserveError, match="HTTP 400.*nosuchpolicy"):
+        run_eval(config(tmp_path, data_dir, suites="gsm8k", policy="nosuchpolicy", limit=2), backend)
 
 
 def test_unreachable_endpoint_is_one_clear_error():
