@@ -252,3 +252,21 @@ def test_cli_bad_input_is_one_error_line(args, message, tmp_path, data_dir):
                         "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error:") and message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_cli_runs_a_custom_suite_and_resumes(tmp_path):
+    """The whole command in a subprocess on a made-up custom suite (tiny max-tokens)."""
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"uid": f"q{i}", "q": f"What is {i} + {i}?", "a": str(2 * i)}) + "\n"
+                            for i in (1, 2)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "cotserve.cli", "eval", "--suite", f"custom:{data}:q:a:gsm8k:uid",
+           "--max-tokens", "4", "--out", str(out), "--no-progress", "--device", "cpu", "--dtype", "float32"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("custom:arith") and "n=2" in r.stdout
+    for name in ("results.json", "predictions.jsonl", "report.md", "accuracy_vs_tokens.png", "throughput.png"):
+        assert (out / name).is_file(), name
+    assert sorted(json.loads(x)["id"] for x in (out / "predictions.jsonl").read_text().splitlines()) == ["q1", "q2"]
+    r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r2.returncode == 0 and len((out / "predictions.jsonl").read_text().splitlines()) == 2  # nothing redone
