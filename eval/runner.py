@@ -216,7 +216,8 @@ def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
                                         cfg.temperature, cfg.top_p, job_seed(cfg.seed, name, it.id, s)))
                 total = len(items) * cfg.samples
                 bar = _bar(total, total - len(jobs), f"{name} {v.label}", cfg.progress)
-                prior = [r for (s_, p_, _, _), r in done.items() if s_ == name and p_ == v.label]
+                prior = [done[(name, v.label, it.id, s)] for it in items for s in range(cfg.samples)
+                         if (name, v.label, it.id, s) in done]
                 n_ok, n_all = sum(bool(r["correct"]) for r in prior), len(prior)
                 for out in backend.run(jobs):
                     rec = _record(by_id[out.job.key[2]], v, out, cfg.code_limits)
