@@ -120,7 +120,7 @@ def eval_cmd(
     suite: Annotated[str, typer.Option(help="Comma-separated: gsm8k, math500, aime24, gpqa, livecodebench, "
                                        "or custom:PATH\\[:QUESTION_FIELD\\[:ANSWER_FIELD\\[:KIND\\[:ID_FIELD]]]].")] = "gsm8k",
     out: Annotated[str, typer.Option(help="Output folder (results.json, predictions.jsonl, report.md, PNGs); "
-                                     "an existing run there is resumed.")] = "eval_out",
+                                     "an existing run there is resumed.")] = "out/eval",
     policy: Annotated[str, typer.Option(help="Comma-separated policy variants side by side: SPEC, SPEC\\[k=v,...], "
                                         "LABEL=SPEC\\[...], e.g. dense,sfi,small=sfi\\[k=256].")] = "dense",
     policy_opt: PolicyOptOpt = None,
