@@ -252,6 +252,60 @@ def bench_serve(
     _emit_json(report, json_out)
 
 
+@app.command("eval")
+def eval_cmd(
+    suite: Annotated[str, typer.Option(help="Comma-separated: gsm8k, math500, aime24, gpqa, livecodebench, "
+                                       "or custom:PATH\\[:QUESTION_FIELD\\[:ANSWER_FIELD\\[:KIND\\[:ID_FIELD]]]].")] = "gsm8k",
+    out: Annotated[str, typer.Option(help="Output folder (results.json, predictions.jsonl, report.md, PNGs); "
+                                     "an existing run there is resumed.")] = "out/eval",
+    policy: Annotated[str, typer.Option(help="Comma-separated policy variants side by side: SPEC, SPEC\\[k=v,...], "
+                                        "LABEL=SPEC\\[...], e.g. dense,sfi,small=sfi\\[k=256].")] = "dense",
+    policy_opt: PolicyOptOpt = None,
+    policy_file: PolicyFileOpt = None,
+    data_dir: Annotated[str | None, typer.Option(help="Dataset folder ($COTSERVE_DATA_DIR).")] = None,
+    data_source: Annotated[str, typer.Option(help="local (JSONL in the data folder), hf (Hugging Face "
+                                             "datasets, needs network), auto (local, else hf).")] = "local",
+    endpoint: Annotated[str | None, typer.Option(help="OpenAI-compatible URL (e.g. http://127.0.0.1:8000/v1); "
+                                                 "without it the native engine runs locally.")] = None,
+    api_key: Annotated[str | None, typer.Option(help="API key for --endpoint ($COTSERVE_API_KEY, "
+                                                "$OPENAI_API_KEY).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Local: bundled name, folder or .gguf "
+                                              "(default smollm2-135m-instruct). Endpoint: model name sent "
+                                              "(default: the first of /v1/models).")] = None,
+    limit: Annotated[int | None, typer.Option(help="First N items of each suite.")] = None,
+    samples: Annotated[int, typer.Option(help="Replies per item (pass@1 is their mean).")] = 1,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: float = 1.0,
+    seed: Annotated[int, typer.Option(help="Base seed; each item/sample gets a fixed seed from it.")] = 0,
+    max_tokens: Annotated[int, typer.Option(help="Maximum generated tokens per reply.")] = 2048,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight (endpoint mode).")] = 8,
+    max_batch: Annotated[int, typer.Option(help="Sequences per batch (local mode).")] = 8,
+    code_timeout: Annotated[float, typer.Option(help="LiveCodeBench: wall seconds per test.")] = 6.0,
+    code_memory_mb: Annotated[int, typer.Option(help="LiveCodeBench: address-space limit per test.")] = 1024,
+    fresh: Annotated[bool, typer.Option(help="Discard predictions already in --out instead of resuming.")] = False,
+    progress: Annotated[bool, typer.Option(help="Progress bars on stderr.")] = True,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Evaluate policies side by side on reasoning benchmarks: accuracy, generated tokens, throughput."""
+    try:
+        from cotserve.eval.command import run_from_cli, summary_lines
+
+        results = run_from_cli(
+            suite=suite, data_dir=data_dir, data_source=data_source, endpoint=endpoint, api_key=api_key, model=model,
+            policy=policy, policy_opt=policy_opt, policy_file=policy_file, limit=limit, concurrency=concurrency,
+            max_tokens=max_tokens, samples=samples, temperature=temperature, top_p=top_p, seed=seed, out=out,
+            fresh=fresh, max_batch=max_batch, device=device, dtype=dtype, code_timeout=code_timeout,
+            code_memory_mb=code_memory_mb, progress=progress,
+        )
+    except CotserveError as exc:
+        fail(str(exc))
+        return
+    for line in summary_lines(results):
+        typer.echo(line)
+    typer.echo(f"wrote {os.path.join(out, 'report.md')}", err=True)
+
+
 def _emit_json(report: dict, path: str | None) -> None:
     import json
 

@@ -1,0 +1,203 @@
+"""Where replies come from: the native engine in this process, or an OpenAI-compatible endpoint.
+
+Both take a list of `Job`s (one prompt, one policy variant, one sample) and yield `Output`s as
+they finish, so the runner can log each one at once (the resume log).
+
+- `LocalBackend`: `NativeEngine.generate` per batch; jobs are sorted by prompt length first and
+  cut into batches of the engine's `max_batch`, so each batch holds neighbours in length
+  (length-sorted grouping, as the engine and SkipKV Sec. 4.3 do).
+- `EndpointBackend`: the openai SDK, one chat completion per job from a thread pool of
+  `concurrency`; the policy travels per request in `extra_body={"cotserve": {"policy", "options"}}`.
+  `reasoning_content` and the response's `cotserve` telemetry object are read when present.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Any
+
+from cotserve.engine.textproc import split_reasoning
+from cotserve.errors import CotserveError
+
+
+@dataclass
+class Job:
+    key: tuple[str, str, str, int]  # (suite, variant label, item id, sample)
+    prompt: str
+    policy: str
+    options: dict[str, Any]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+@dataclass
+class Output:
+    job: Job
+    text: str = ""  # the whole reply (reasoning included, as generated)
+    content: str = ""  # the answer part
+    reasoning: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    finish_reason: str = ""
+    telemetry: dict[str, Any] = field(default_factory=dict)
+    t_start: float = 0.0
+    t_end: float = 0.0
+    error: str | None = None
+
+
+class LocalBackend:
+    """The native engine, in this process."""
+
+    kind = "local"
+
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": "local", "model": self.model_name, "device": str(self.engine.device),
+                "dtype": str(self.engine.dtype).replace("torch.", ""), "max_batch": self.engine.max_batch}
+
+    def check(self, policy: str, options: dict[str, Any]) -> None:
+        from cotserve.policies.registry import build_policy
+
+        build_policy(policy, options)  # PolicyError for an unknown policy or a bad option
+
+    def run(self, jobs: list[Job]) -> Iterator[Output]:
+        eng = self.engine
+        groups: dict[str, list[tuple[Job, list[int]]]] = {}
+        for j in jobs:  # one batch runs one policy variant
+            key = json.dumps([j.policy, j.options], sort_keys=True, default=str)
+            groups.setdefault(key, []).append((j, eng.encode_prompt(j.prompt)))
+        for members in groups.values():
+            members.sort(key=lambda e: len(e[1]))  # neighbours in prompt length share a batch
+            for start in range(0, len(members), eng.max_batch):
+                yield from self._batch(members[start : start + eng.max_batch])
+
+    def _batch(self, batch: list[tuple[Job, list[int]]]) -> Iterator[Output]:
+        from cotserve.engine.native import GenRequest
+        from cotserve.engine.sampling import SamplingParams
+
+        eng = self.engine
+        ok: list[tuple[Job, list[int]]] = []
+        for job, ids in batch:
+            try:
+                eng.check_request(GenRequest(ids))
+                ok.append((job, ids))
+            except CotserveError as exc:  # e.g. a prompt longer than the context: this item only
+                now = time.time()
+                yield Output(job, prompt_tokens=len(ids), t_start=now, t_end=now, error=str(exc))
+        if not ok:
+            return
+        batch = ok
+        head = batch[0][0]
+        reqs = [GenRequest(ids, SamplingParams(max_tokens=j.max_tokens, temperature=j.temperature,
+                                               top_p=j.top_p, seed=j.seed)) for j, ids in batch]
+        t0 = time.time()
+        results = eng.generate(reqs, head.policy, head.options)
+        t1 = time.time()
+        for (job, _), res in zip(batch, results, strict=True):
+            reasoning, content = split_reasoning(res.text)
+            rtok = len(eng.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+            yield Output(job, res.text, content, reasoning, res.prompt_tokens, res.completion_tokens,
+                         min(rtok, res.completion_tokens), res.finish_reason, dict(res.telemetry), t0, t1)
+
+
+class EndpointBackend:
+    """An OpenAI-compatible server (`cotserve serve`, or any other) through the openai SDK."""
+
+    kind = "endpoint"
+
+    def __init__(self, url: str, api_key: str | None, model: str | None, concurrency: int = 4,
+                 timeout_s: float = 600.0):
+        try:
+            import openai
+        except ImportError:
+            raise CotserveError("endpoint mode needs the openai package (pip install 'cotserve[clients]')") from None
+        base = url.rstrip("/")
+        if not base.endswith("/v1"):
+            base += "/v1"
+        self.url = base
+        self.client = openai.OpenAI(base_url=base, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=2)
+        self.concurrency = max(1, concurrency)
+        self.model = model or self._first_model()
+
+    def _first_model(self) -> str:
+        import openai
+
+        try:
+            models = self.client.models.list().data
+        except openai.APIConnectionError as exc:
+            raise CotserveError(f"cannot reach the endpoint {self.url}: {exc}") from None
+        except openai.APIStatusError as exc:
+            raise CotserveError(f"endpoint {self.url} refused /models: {exc.status_code} {exc.message}") from None
+        if not models:
+            raise CotserveError(f"endpoint {self.url} lists no models; pass --model")
+        return models[0].id
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": "endpoint", "endpoint": self.url, "model": self.model, "concurrency": self.concurrency}
+
+    def check(self, policy: str, options: dict[str, Any]) -> None:
+        """The server validates policies; nothing to check here."""
+
+    def _one(self, job: Job) -> Output:
+        import openai
+
+        body: dict[str, Any] = {"cotserve": {"policy": job.policy, "options": job.options}}
+        t0 = time.time()
+        try:
+            kwargs: dict[str, Any] = dict(model=self.model, messages=[{"role": "user", "content": job.prompt}],
+                                          max_tokens=job.max_tokens, temperature=job.temperature,
+                                          top_p=job.top_p, extra_body=body)
+            if job.seed is not None:
+                kwargs["seed"] = job.seed
+            resp = self.client.chat.completions.create(**kwargs)
+        except openai.APIConnectionError as exc:
+            return Output(job, t_start=t0, t_end=time.time(), error=f"connection: {exc}")
+        except openai.APIStatusError as exc:
+            per_item = exc.status_code in (408, 429) or exc.status_code >= 500 or \
+                getattr(exc, "code", None) == "context_length_exceeded"
+            if not per_item:  # a bad key, model or policy fails every request alike: stop at once
+                raise CotserveError(f"endpoint {self.url} refused the request: HTTP {exc.status_code}: "
+                                    f"{exc.message}") from None
+            return Output(job, t_start=t0, t_end=time.time(), error=f"HTTP {exc.status_code}: {exc.message}")
+        except openai.APIError as exc:
+            return Output(job, t_start=t0, t_end=time.time(), error=str(exc))
+        t1 = time.time()
+        choice = resp.choices[0]
+        msg = choice.message
+        content = msg.content or ""
+        reasoning = getattr(msg, "reasoning_content", None)
+        if reasoning is None and msg.model_extra:
+            reasoning = msg.model_extra.get("reasoning_content")
+        if reasoning is None:  # a server that leaves <think> in the content
+            reasoning, content = split_reasoning(content)
+        text = (f"<think>\n{reasoning}\n</think>\n\n" if reasoning else "") + content
+        usage = resp.usage
+        completion = int(getattr(usage, "completion_tokens", 0) or 0)
+        rtok = 0
+        details = getattr(usage, "completion_tokens_details", None)
+        if details is not None and getattr(details, "reasoning_tokens", None):
+            rtok = int(details.reasoning_tokens)
+        elif reasoning:  # no count from the server: split the total by characters
+            rtok = round(completion * len(reasoning) / max(1, len(reasoning) + len(content)))
+        tele = dict((resp.model_extra or {}).get("cotserve") or {})
+        return Output(job, text, content, reasoning, int(getattr(usage, "prompt_tokens", 0) or 0), completion,
+                      rtok, choice.finish_reason or "", tele, t0, t1)
+
+    def run(self, jobs: list[Job]) -> Iterator[Output]:
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        futures = [pool.submit(self._one, j) for j in jobs]
+        try:
+            for fut in as_completed(futures):
+                yield fut.result()
+        finally:  # on Ctrl-C: drop what has not started; requests in flight finish on their own
+            pool.shutdown(wait=False, cancel_futures=True)

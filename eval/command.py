@@ -1,0 +1,69 @@
+"""The body of `cotserve eval` (the Typer command in cotserve/cli.py only forwards its options)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from cotserve.errors import CotserveError
+from cotserve.eval.loaders import parse_suites
+from cotserve.eval.runner import EvalConfig, parse_variants, run_eval
+from cotserve.eval.sandbox import Limits
+
+
+def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint: str | None, api_key: str | None,
+                 model: str | None, policy: str, policy_opt: list[str] | None, policy_file: str | None,
+                 limit: int | None, concurrency: int, max_tokens: int, samples: int, temperature: float,
+                 top_p: float, seed: int, out: str, fresh: bool, max_batch: int, device: str, dtype: str,
+                 code_timeout: float, code_memory_mb: int, progress: bool) -> dict[str, Any]:
+    from cotserve.data import data_dir as find_data_dir
+    from cotserve.policies.registry import parse_options
+
+    refs = parse_suites(suite)
+    needs_dir = data_source != "hf" and any(r.spec is not None for r in refs)
+    ddir = find_data_dir(data_dir, required=needs_dir)
+    variants = parse_variants(policy, parse_options(policy_opt, policy_file))
+    if limit is not None and limit < 1:
+        raise CotserveError("--limit must be at least 1")
+    if max_tokens < 1:
+        raise CotserveError("--max-tokens must be at least 1")
+    if temperature < 0:
+        raise CotserveError("--temperature must be >= 0")
+    if concurrency < 1:
+        raise CotserveError("--concurrency must be at least 1")
+    cfg = EvalConfig(
+        suites=refs, variants=variants, out=Path(out), data_dir=ddir, data_source=data_source, limit=limit,
+        samples=samples, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        code_limits=Limits(timeout_s=code_timeout, memory_mb=code_memory_mb), progress=progress, fresh=fresh,
+        command="cotserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    )
+    if endpoint:
+        import os
+
+        from cotserve.eval.backends import EndpointBackend
+
+        key = api_key or os.environ.get("COTSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        backend = EndpointBackend(endpoint, key, model, concurrency=concurrency)
+    else:
+        from cotserve.engine.native import NativeEngine
+        from cotserve.eval.backends import LocalBackend
+        from cotserve.models import load_model
+        from cotserve.policies.registry import build_policy
+
+        for v in variants:  # a bad policy or option fails before the model is loaded
+            build_policy(v.policy, v.options)
+        name = model or "smollm2-135m-instruct"
+        backend = LocalBackend(NativeEngine(load_model(name, device=device, dtype=dtype), max_batch=max_batch), name)
+    return run_eval(cfg, backend)
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for r in results["runs"]:
+        acc = f"{100 * r['accuracy']:.1f}%" if r["accuracy"] is not None else "n/a"
+        lo, hi = r["ci95"]
+        lines.append(f"{r['suite']:<14} {r['policy']:<16} acc={acc} [{100 * lo:.1f}, {100 * hi:.1f}] n={r['n']} "
+                     f"tokens={r['generated_tokens']['mean']} tok/s={r['throughput_tok_s']} errors={r['errors']}")
+    return lines

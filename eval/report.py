@@ -1,0 +1,190 @@
+"""Aggregation and outputs: `results.json`, `report.md` (side-by-side tables), PNG plots.
+
+Per suite and policy variant:
+- accuracy: pass@1 = correct / graded replies (with `--samples S`, the mean over S samples per
+  item), with a 95% Wilson score interval (Wilson 1927) over all graded replies;
+- generated tokens: mean and median, and for models that think, reasoning and answer separately;
+- throughput: generated tokens / wall time, where wall time is the union of the intervals during
+  which the variant's requests were in flight (so concurrency overlaps, and the pauses between
+  an interrupted run and its resume, are not counted); decode tok/s: the mean of each request's
+  own decode rate (engine telemetry; through an endpoint without telemetry, tokens / latency);
+- KV telemetry: the mean of every numeric telemetry field over the replies (cache bytes after
+  prefill / peak / final, padding, and each policy's own counters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+TIMING_KEYS = {"prefill_s", "decode_s", "decode_tok_s"}
+
+
+def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial proportion."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "median": None}
+    return {"mean": round(statistics.fmean(values), 2), "median": round(statistics.median(values), 2)}
+
+
+def aggregate(records: list[dict[str, Any]], errors: int = 0, n_items: int = 0) -> dict[str, Any]:
+    n = len(records)
+    correct = sum(bool(r["correct"]) for r in records)
+    lo, hi = wilson(correct, n)
+    toks = [r["completion_tokens"] for r in records]
+    thinks = any(r.get("thinks") for r in records)
+    wall = union_seconds([(r["t_start"], r["t_end"]) for r in records])
+    rates = []
+    for r in records:
+        rate = (r.get("telemetry") or {}).get("decode_tok_s")
+        if not isinstance(rate, (int, float)) or rate <= 0:
+            lat = r["t_end"] - r["t_start"]
+            rate = r["completion_tokens"] / lat if lat > 0 else None
+        if rate:
+            rates.append(float(rate))
+    tele_keys = sorted({k for r in records for k, v in (r.get("telemetry") or {}).items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in TIMING_KEYS})
+    tele = {}
+    for k in tele_keys:
+        vals = [r["telemetry"][k] for r in records if isinstance((r.get("telemetry") or {}).get(k), (int, float))]
+        tele[k] = round(statistics.fmean(vals), 4)
+    finish: dict[str, int] = {}
+    for r in records:
+        finish[r.get("finish_reason") or "?"] = finish.get(r.get("finish_reason") or "?", 0) + 1
+    out: dict[str, Any] = {
+        "n": n, "items": n_items, "correct": correct,
+        "accuracy": round(correct / n, 4) if n else None,
+        "ci95": [round(lo, 4), round(hi, 4)],
+        "generated_tokens": _stats(toks),
+        "thinks": thinks,
+        "wall_s": round(wall, 3),
+        "throughput_tok_s": round(sum(toks) / wall, 2) if wall > 0 else None,
+        "decode_tok_s": round(statistics.fmean(rates), 2) if rates else None,
+        "latency_s": _stats([r["t_end"] - r["t_start"] for r in records]),
+        "finish_reasons": finish,
+        "truncated": round(finish.get("length", 0) / n, 4) if n else None,
+        "errors": errors,
+        "telemetry": tele,
+    }
+    if thinks:
+        out["reasoning_tokens"] = _stats([r.get("reasoning_tokens", 0) for r in records])
+        out["answer_tokens"] = _stats([r.get("answer_tokens", r["completion_tokens"]) for r in records])
+    return out
+
+
+def write_outputs(out: Path, records: list[dict[str, Any]], errors: dict[tuple[str, str], int],
+                  suites: list[str], variants, meta: dict[str, Any], n_items: dict[str, int]) -> dict[str, Any]:
+    runs = []
+    for s in suites:
+        for v in variants:
+            recs = [r for r in records if r["suite"] == s and r["policy"] == v.label]
+            agg = aggregate(recs, errors.get((s, v.label), 0), n_items.get(s, 0))
+            runs.append({"suite": s, "policy": v.label, "spec": v.policy, "options": v.options, **agg})
+    results = {"meta": meta, "suites": suites, "policies": [v.label for v in variants], "runs": runs}
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    from cotserve.eval.plots import plot_accuracy_vs_tokens, plot_throughput
+
+    plots = [p for p in (plot_accuracy_vs_tokens(results, out / "accuracy_vs_tokens.png"),
+                         plot_throughput(results, out / "throughput.png")) if p]
+    (out / "report.md").write_text(render_markdown(results, plots))
+    return results
+
+
+def _fmt(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _acc(run: dict[str, Any]) -> str:
+    if not run["n"]:
+        return "–"
+    lo, hi = run["ci95"]
+    return f"{100 * run['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def render_markdown(results: dict[str, Any], plots: list[Path]) -> str:
+    meta, pols, runs = results["meta"], results["policies"], results["runs"]
+    gen, be = meta.get("generation", {}), meta.get("backend", {})
+    where = be.get("endpoint") or f"local native engine ({be.get('device', '?')}, {be.get('dtype', '?')})"
+    lines = [
+        "# cotserve eval report", "",
+        f"- model: `{gen.get('model')}` via {where}",
+        f"- max_tokens {gen.get('max_tokens')}, temperature {gen.get('temperature')}, top_p {gen.get('top_p')}, "
+        f"samples {meta.get('samples')}, limit {meta.get('limit')}, data source {meta.get('data_source')}",
+        f"- finished {meta.get('finished_at')}",
+    ]
+    if meta.get("command"):
+        lines.append(f"- command: `{meta['command']}`")
+    lines += ["", "Accuracy is pass@1 in % with its 95% Wilson interval. Throughput is generated tokens per "
+              "second of wall time; decode tok/s is the mean per-request decode rate.", ""]
+    get = {(r["suite"], r["policy"]): r for r in runs}
+    lines += ["## Accuracy", "", "| suite | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
+    for s in results["suites"]:
+        lines.append(f"| {s} | " + " | ".join(_acc(get[(s, p)]) for p in pols) + " |")
+    lines.append("")
+    for s in results["suites"]:
+        rs = [get[(s, p)] for p in pols]
+        lines += [f"## {s}", "", "| metric | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
+        rows: list[tuple[str, list[str]]] = [
+            ("policy spec", [f"`{r['spec']}`" + (f" {r['options']}" if r["options"] else "") for r in rs]),
+            ("accuracy % [95% CI]", [_acc(r) for r in rs]),
+            ("graded / items", [f"{r['n']} / {r['items']}" for r in rs]),
+            ("generated tokens, mean", [_fmt(r["generated_tokens"]["mean"]) for r in rs]),
+            ("generated tokens, median", [_fmt(r["generated_tokens"]["median"]) for r in rs]),
+        ]
+        if any(r["thinks"] for r in rs):
+            rows += [
+                ("reasoning tokens, mean / median",
+                 [f"{_fmt(r.get('reasoning_tokens', {}).get('mean'))} / {_fmt(r.get('reasoning_tokens', {}).get('median'))}"
+                  for r in rs]),
+                ("answer tokens, mean / median",
+                 [f"{_fmt(r.get('answer_tokens', {}).get('mean'))} / {_fmt(r.get('answer_tokens', {}).get('median'))}"
+                  for r in rs]),
+            ]
+        rows += [
+            ("hit max_tokens %", [_fmt(100 * r["truncated"]) if r["truncated"] is not None else "–" for r in rs]),
+            ("throughput tok/s", [_fmt(r["throughput_tok_s"], 2) for r in rs]),
+            ("decode tok/s (per request)", [_fmt(r["decode_tok_s"], 2) for r in rs]),
+            ("wall time s", [_fmt(r["wall_s"], 1) for r in rs]),
+            ("errors", [str(r["errors"]) for r in rs]),
+        ]
+        tele_keys = sorted({k for r in rs for k in r["telemetry"]})
+        for k in tele_keys:
+            vals = [r["telemetry"].get(k) for r in rs]
+            if k.startswith("kv_bytes"):
+                rows.append((f"{k} (MiB, mean)", [_fmt(v / 2**20, 2) if v is not None else "–" for v in vals]))
+            else:
+                rows.append((f"{k} (mean)", [_fmt(v, 3) if isinstance(v, float) else _fmt(v) for v in vals]))
+        lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+        lines.append("")
+    if plots:
+        lines += ["## Plots", ""]
+        for p in plots:
+            lines += [f"![{p.stem}]({p.name})", ""]
+    return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""`cotserve eval`: run suites x policy variants x samples, grade, log, report.
+
+The per-item log `predictions.jsonl` is also the resume log: every finished (suite, variant, item
+id, sample) is appended as one line the moment it is graded, and a later run with the same
+`--out` skips every key already there (items that ended in an error are retried). Generation
+settings (model/endpoint, max_tokens, temperature, top_p, seed) and each variant's policy and
+options are recorded in `run_config.json`; resuming with different ones is refused, since the
+log would then mix two experiments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cotserve.errors import CotserveError
+from cotserve.eval.backends import Job, Output
+from cotserve.eval.graders import grade
+from cotserve.eval.loaders import Item, SuiteRef, load_suite
+from cotserve.eval.prompts import build_prompt
+from cotserve.eval.sandbox import Limits
+
+PREDICTIONS = "predictions.jsonl"
+RUN_CONFIG = "run_config.json"
+
+
+@dataclass
+class Variant:
+    """One column of the side-by-side: a label, a policy spec and its options."""
+
+    label: str
+    policy: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+_LABEL = re.compile(r"^([A-Za-z0-9_.-]+)=(?!=)")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets: `dense,sfi[k=8,recent=4]` -> two entries."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise CotserveError(f"--policy {text!r}: unbalanced ']'")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise CotserveError(f"--policy {text!r}: unbalanced '['")
+    out.append(cur)
+    return [s.strip() for s in out if s.strip()]
+
+
+def parse_variants(text: str, global_options: dict[str, Any] | None = None) -> list[Variant]:
+    """`--policy` entries, comma-separated: `SPEC`, `SPEC[key=value,...]`, each optionally
+    labelled `LABEL=SPEC[...]` (e.g. `dense,small=sfi[k=256],big=sfi[k=1024]`).
+
+    Global `--policy-opt` options go to every variant that can take them: `part.key=value` to the
+    variants whose stack holds `part`; a bare `key=value` to every variant that is not plain
+    `dense`. Options in brackets win."""
+    variants: list[Variant] = []
+    for entry in _split_top(text):
+        label = None
+        m = _LABEL.match(entry)
+        if m and "[" not in m.group(1):
+            label, entry = m.group(1), entry[m.end():].strip()
+        opts: dict[str, Any] = {}
+        spec = entry
+        if "[" in entry:
+            if not entry.endswith("]"):
+                raise CotserveError(f"--policy entry {entry!r}: options go in brackets at the end, SPEC[k=v,...]")
+            spec, _, inner = entry[:-1].partition("[")
+            for pair in [p.strip() for p in inner.split(",") if p.strip()]:
+                if "=" not in pair:
+                    raise CotserveError(f"--policy entry {entry!r}: option {pair!r} is not key=value")
+                k, _, v = pair.partition("=")
+                opts[k.strip()] = v.strip()
+        spec = spec.strip()
+        if not spec:
+            raise CotserveError(f"--policy entry {entry!r} names no policy")
+        parts = [p.strip() for p in spec.split("+") if p.strip()]
+        merged: dict[str, Any] = {}
+        for k, v in (global_options or {}).items():
+            if "." in k:
+                if k.partition(".")[0] in parts:
+                    merged[k] = v
+            elif parts != ["dense"]:
+                merged[k] = v
+        merged.update(opts)
+        variants.append(Variant(label or entry, spec, merged))
+    if not variants:
+        raise CotserveError("no policy given (--policy dense,...)")
+    labels = [v.label for v in variants]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise CotserveError(f"--policy lists {', '.join(dup)} twice; give each a label, e.g. a=dense,b=dense")
+    return variants
+
+
+@dataclass
+class EvalConfig:
+    suites: list[SuiteRef]
+    variants: list[Variant]
+    out: Path
+    data_dir: Path | None
+    data_source: str = "local"
+    limit: int | None = None
+    samples: int = 1
+    max_tokens: int = 2048
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    code_limits: Limits = field(default_factory=Limits)
+    progress: bool = True
+    fresh: bool = False
+    command: str = ""
+
+
+def job_seed(base: int, suite: str, item_id: str, sample: int) -> int:
+    """A fixed seed per (suite, item, sample): reruns and resumes sample the same text."""
+    return (base * 1_000_003 + zlib.crc32(f"{suite}/{item_id}/{sample}".encode())) % (2**31 - 1)
+
+
+def read_log(path: Path) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    """Finished records by key; a torn last line (an interrupted write) is ignored."""
+    done: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+    if not path.is_file():
+        return done
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                key = (rec["suite"], rec["policy"], str(rec["id"]), int(rec["sample"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+            if rec.get("error"):
+                done.pop(key, None)
+            else:
+                done[key] = rec
+    return done
+
+
+def _check_config(out: Path, backend_desc: dict[str, Any], cfg: EvalConfig) -> dict[str, Any]:
+    gen = {"model": backend_desc.get("model"), "endpoint": backend_desc.get("endpoint"),
+           "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    variants = {v.label: {"policy": v.policy, "options": v.options} for v in cfg.variants}
+    path = out / RUN_CONFIG
+    if path.is_file() and not cfg.fresh:
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = {}
+        diffs = [f"{k}: {old.get('generation', {}).get(k)!r} -> {v!r}" for k, v in gen.items()
+                 if k in old.get("generation", {}) and old["generation"][k] != v]
+        for label, v in variants.items():
+            prev = old.get("variants", {}).get(label)
+            if prev is not None and json.loads(json.dumps(v)) != prev:
+                diffs.append(f"variant {label}: {prev} -> {v}")
+        if diffs:
+            raise CotserveError(f"{out} holds a run with other settings ({'; '.join(diffs)}); "
+                                "use another --out, or --fresh to start over")
+        variants = {**old.get("variants", {}), **variants}
+    conf = {"generation": gen, "variants": variants, "backend": backend_desc}
+    path.write_text(json.dumps(conf, indent=2, default=str) + "\n")
+    return conf
+
+
+def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
+    """Run everything that is not in the log yet, then write results.json, report.md and plots.
+    Returns the results dict."""
+    from cotserve.eval.report import write_outputs
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    log_path = cfg.out / PREDICTIONS
+    if cfg.fresh and log_path.exists():
+        log_path.unlink()
+    if cfg.samples < 1:
+        raise CotserveError("--samples must be at least 1")
+    if cfg.samples > 1 and cfg.temperature == 0:
+        print("warning: --samples > 1 with --temperature 0 repeats the same greedy reply", file=sys.stderr)
+    for v in cfg.variants:
+        backend.check(v.policy, v.options)
+    suites = {ref.name: load_suite(ref, cfg.data_dir, cfg.data_source, cfg.limit) for ref in cfg.suites}
+    for name, items in suites.items():
+        if not items:
+            raise CotserveError(f"suite {name} has no items")
+    _check_config(cfg.out, backend.describe(), cfg)
+    done = read_log(log_path)
+
+    with open(log_path, "a", encoding="utf-8") as log:
+        _ensure_newline(log_path, log)
+        for name, items in suites.items():
+            by_id = {it.id: it for it in items}
+            for v in cfg.variants:
+                jobs = []
+                for it in items:
+                    for s in range(cfg.samples):
+                        key = (name, v.label, it.id, s)
+                        if key in done:
+                            continue
+                        jobs.append(Job(key, build_prompt(it), v.policy, v.options, cfg.max_tokens,
+                                        cfg.temperature, cfg.top_p, job_seed(cfg.seed, name, it.id, s)))
+                total = len(items) * cfg.samples
+                bar = _bar(total, total - len(jobs), f"{name} {v.label}", cfg.progress)
+                prior = [done[(name, v.label, it.id, s)] for it in items for s in range(cfg.samples)
+                         if (name, v.label, it.id, s) in done]
+                n_ok, n_all = sum(bool(r["correct"]) for r in prior), len(prior)
+                for out in backend.run(jobs):
+                    rec = _record(by_id[out.job.key[2]], v, out, cfg.code_limits)
+                    log.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    log.flush()
+                    if rec.get("error") is None:
+                        done[out.job.key] = rec
+                        n_ok, n_all = n_ok + bool(rec["correct"]), n_all + 1
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(acc=f"{n_ok / n_all:.3f}" if n_all else "-")
+                if bar is not None:
+                    bar.close()
+    wanted = {(n, v.label, it.id, s) for n, items in suites.items() for v in cfg.variants for it in items
+              for s in range(cfg.samples)}
+    records = [r for k, r in done.items() if k in wanted]
+    errors = _errors(log_path, wanted, done)
+    conf = json.loads((cfg.out / RUN_CONFIG).read_text())
+    meta = {"command": cfg.command, "generation": conf["generation"], "backend": conf["backend"],
+            "samples": cfg.samples, "limit": cfg.limit, "data_source": cfg.data_source,
+            "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return write_outputs(cfg.out, records, errors, [n for n in suites], cfg.variants, meta,
+                         {n: len(items) for n, items in suites.items()})
+
+
+def _record(item: Item, v: Variant, out: Output, limits: Limits) -> dict[str, Any]:
+    suite, label, iid, sample = out.job.key
+    rec: dict[str, Any] = {"suite": suite, "policy": label, "id": iid, "sample": sample, "spec": v.policy}
+    if out.error:
+        rec.update(error=out.error, t_start=out.t_start, t_end=out.t_end)
+        return rec
+    g = grade(item, out.content, code_limits=limits)
+    rec.update(
+        correct=bool(g.correct), extracted=g.extracted, reference=item.answer if item.kind != "code" else None,
+        grade_detail=g.detail, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens, reasoning_tokens=out.reasoning_tokens,
+        answer_tokens=max(0, out.completion_tokens - out.reasoning_tokens), thinks=out.reasoning is not None,
+        t_start=round(out.t_start, 4), t_end=round(out.t_end, 4), telemetry=out.telemetry,
+        reasoning=out.reasoning, content=out.content,
+    )
+    return rec
+
+
+def _errors(log_path: Path, wanted: set, done: dict) -> dict[tuple[str, str], int]:
+    """Keys whose latest attempt failed and that never succeeded, counted per (suite, variant)."""
+    failed: dict[tuple[str, str, str, int], str] = {}
+    with open(log_path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                key = (rec["suite"], rec["policy"], str(rec["id"]), int(rec["sample"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+            if rec.get("error") and key in wanted and key not in done:
+                failed[key] = rec["error"]
+    counts: dict[tuple[str, str], int] = {}
+    for (s, p, _, _) in failed:
+        counts[(s, p)] = counts.get((s, p), 0) + 1
+    return counts
+
+
+def _ensure_newline(path: Path, log) -> None:
+    """After an interrupted write the file may end mid-line: start the next record on a new line."""
+    if path.stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            log.write("\n")
+
+
+def _bar(total: int, initial: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="item", file=sys.stderr, dynamic_ncols=True)
+

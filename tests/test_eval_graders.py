@@ -1,0 +1,106 @@
+"""Graders on known right and wrong answers (math-verify for LaTeX, GSM8K numbers, multiple-choice
+letters in several phrasings, code extraction and output comparison). The multiple-choice items
+here are made up for the tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from cotserve.eval.graders import grade
+from cotserve.eval.graders.code import extract_code, stdout_matches, values_equal
+from cotserve.eval.graders.gpqa import extract_letter
+from cotserve.eval.graders.gsm8k import grade_gsm8k
+from cotserve.eval.graders.math import extract_boxed, grade_math, math_equal
+from cotserve.eval.loaders import Item
+
+
+@pytest.mark.parametrize("gold,reply", [
+    ("\\frac{1}{2}", "So the probability is $\\boxed{0.5}$."),
+    ("0.5", "The answer is \\boxed{\\frac{1}{2}}"),
+    ("\\frac{1}{2}", "\\boxed{\\dfrac12}"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "Thus $(r,\\theta) = \\boxed{(3, \\frac{\\pi}{2})}$."),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{\\left(3,\\pi/2\\right)}"),
+    ("204", "Adding up, Aya needs \\boxed{204} minutes."),
+    ("2\\sqrt{2}", "\\boxed{\\sqrt{8}}"),
+    ("x^2+2x+1", "\\boxed{(x+1)^2}"),
+])
+def test_math_equivalent_forms_are_right(gold, reply):
+    g = grade_math(reply, gold)
+    assert g.correct, (gold, reply, g)
+
+
+@pytest.mark.parametrize("gold,reply", [
+    ("\\frac{1}{2}", "\\boxed{0.25}"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{(3, \\pi)}"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{(\\frac{\\pi}{2}, 3)}"),
+    ("204", "so \\boxed{205}"),
+    ("204", "I am not sure."),
+])
+def test_math_wrong_answers_are_wrong(gold, reply):
+    assert not grade_math(reply, gold).correct
+
+
+def test_math_takes_the_last_box_and_skips_a_cut_off_one():
+    assert extract_boxed("first \\boxed{1}, then \\boxed{\\frac{2}{3}}") == "\\frac{2}{3}"
+    assert extract_boxed("\\boxed{7} and finally \\boxed{12") == "7"  # unbalanced: cut by max_tokens
+    assert extract_boxed("\\boxed 5$") == "5"
+    assert extract_boxed("no box here") is None
+    assert math_equal("\\frac{3}{4}", "0.75") and not math_equal("\\frac{3}{4}", "0.7")
+
+
+@pytest.mark.parametrize("reply,ok", [
+    ("She sells 9 eggs for $2 each, so 9 * 2 = 18.\n#### 18", True),
+    ("The answer is $18.00.", True),
+    ("Total: \\boxed{18}", True),
+    ("That makes 1,018 dollars in all. The answer is 1,018", False),
+    ("She earns \\boxed{16} dollars.", False),
+    ("I cannot tell.", False),
+])
+def test_gsm8k_numeric(reply, ok):
+    assert grade_gsm8k(reply, "18").correct is ok
+
+
+def test_gsm8k_thousands_separators():
+    assert grade_gsm8k("The answer is 2,125", "2125").correct
+    assert grade_gsm8k("\\boxed{2,125}", "2125").correct
+
+
+@pytest.mark.parametrize("reply,letter", [
+    ("The reaction is exothermic.\nAnswer: C", "C"),
+    ("Comparing A and B first... the answer is (B).", "B"),
+    ("**Answer:** D", "D"),
+    ("Therefore the final answer is $\\boxed{A}$", "A"),
+    ("The correct option is C.", "C"),
+    ("Option B is correct.", "B"),
+    ("After weighing the options I'll go with D", "D"),
+    ("Hmm, option A seems off. Answer: A\nWait, no. Answer: B", "B"),
+    ("Final answer: **C**", "C"),
+    ("Reasoning done.\n(D)", "D"),
+    ("The answer is a subtle one and I cannot decide.", None),
+])
+def test_multiple_choice_letters(reply, letter):
+    assert extract_letter(reply) == letter
+
+
+def test_multiple_choice_grading_on_a_made_up_item():
+    item = Item("mc", "made-up-1", "gpqa", "Which planet is closest to the Sun?",
+                "B", {"choices": ["Venus", "Mercury", "Earth", "Mars"]})
+    assert grade(item, "Mercury orbits closest.\nAnswer: B").correct
+    assert not grade(item, "Venus is hottest.\nAnswer: A").correct
+    assert not grade(item, "No idea.").correct
+
+
+def test_code_extraction_prefers_the_last_python_block():
+    reply = "Idea:\n```\npseudo\n```\nCode:\n```python\nprint(1)\n```\nand\n```python\nprint(2)\n```\n"
+    assert extract_code(reply).strip() == "print(2)"
+    assert extract_code("```py\nx = 1\n") == "x = 1\n"  # cut off by max_tokens: still taken
+    assert extract_code("no code") is None
+
+
+def test_output_comparison():
+    assert stdout_matches("1 2\n3\n\n", "1 2\n3")
+    assert stdout_matches("1.50\n", "1.5\n")
+    assert not stdout_matches("1 2\n", "1 3\n")
+    assert not stdout_matches("YES\n", "NO\n")
+    assert values_equal([1, [2, 3]], [1, [2, 3]]) and not values_equal([1, 2], [2, 1])
+    assert values_equal(0.30000000000000004, 0.3) and not values_equal(True, [True])

@@ -1,0 +1,272 @@
+"""End-to-end eval runs on the bundled model: local mode (the native engine) on 3 items of every
+suite, resume after an interruption, side-by-side variants, and endpoint mode through the openai
+SDK against a real HTTP server (uvicorn + a small OpenAI-compatible FastAPI app defined here that
+wraps the same real engine; the project's own gateway is not needed for this)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from cotserve.errors import CotserveError
+from cotserve.eval.backends import EndpointBackend, LocalBackend
+from cotserve.eval.loaders import parse_suites
+from cotserve.eval.runner import EvalConfig, parse_variants, run_eval
+from cotserve.eval.sandbox import Limits
+
+ALL = "gsm8k,math500,aime24,gpqa,livecodebench"
+MAX_TOKENS = 16
+
+
+class Recording:
+    """Wraps a real backend and records which jobs it was asked to run. With `stop_after`, raises
+    KeyboardInterrupt after that many replies: the interruption a user causes with Ctrl-C, which a
+    test cannot send to its own process at a chosen point otherwise."""
+
+    def __init__(self, inner, stop_after: int | None = None):
+        self.inner, self.stop_after, self.asked = inner, stop_after, []
+
+    def describe(self):
+        return self.inner.describe()
+
+    def check(self, policy, options):
+        self.inner.check(policy, options)
+
+    def run(self, jobs):
+        self.asked.extend(j.key for j in jobs)
+        for n, out in enumerate(self.inner.run(jobs), 1):
+            yield out
+            if self.stop_after is not None and n >= self.stop_after:
+                raise KeyboardInterrupt
+
+
+def config(out, data_dir, suites=ALL, policy="dense", limit=3, **kw) -> EvalConfig:
+    return EvalConfig(suites=parse_suites(suites), variants=parse_variants(policy), out=out, data_dir=data_dir,
+                      limit=limit, max_tokens=kw.pop("max_tokens", MAX_TOKENS), progress=False,
+                      code_limits=Limits(timeout_s=3.0, memory_mb=512), **kw)
+
+
+@pytest.fixture(scope="module")
+def local(engine):
+    return LocalBackend(engine, "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def full_run(local, data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_all")
+    rec = Recording(local)
+    results = run_eval(config(out, data_dir), rec)
+    return out, results, rec
+
+
+def test_three_items_per_suite_write_every_output(full_run):
+    out, results, rec = full_run
+    assert len(rec.asked) == 15
+    for name in ("results.json", "predictions.jsonl", "report.md", "run_config.json",
+                 "accuracy_vs_tokens.png", "throughput.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for png in ("accuracy_vs_tokens.png", "throughput.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["suites"] == ALL.split(",") and saved["policies"] == ["dense"]
+    assert len(saved["runs"]) == 5
+    for run in saved["runs"]:
+        assert run["n"] == 3 and run["items"] == 3 and run["errors"] == 0
+        assert 0 <= run["ci95"][0] <= (run["accuracy"] or 0) <= run["ci95"][1] <= 1
+        assert 0 < run["generated_tokens"]["mean"] <= MAX_TOKENS
+        assert run["throughput_tok_s"] > 0 and run["decode_tok_s"] > 0 and run["wall_s"] > 0
+        assert run["telemetry"]["kv_bytes_peak"] > 0
+    lines = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(lines) == 15
+    assert {(r["suite"], r["policy"]) for r in lines} == {(s, "dense") for s in ALL.split(",")}
+    for r in lines:
+        assert isinstance(r["correct"], bool) and r["completion_tokens"] <= MAX_TOKENS
+        assert r["finish_reason"] in ("stop", "length") and "kv_bytes_peak" in r["telemetry"]
+    report = (out / "report.md").read_text()
+    for s in ALL.split(","):
+        assert f"## {s}" in report
+    assert "![accuracy_vs_tokens](accuracy_vs_tokens.png)" in report
+
+
+def test_grades_in_the_log_match_the_graders(full_run, data_dir):
+    """The logged verdicts are recomputed from the logged replies by the graders."""
+    from cotserve.eval.graders import grade
+    from cotserve.eval.loaders import load_suite
+
+    out, _, _ = full_run
+    items = {(i.suite, i.id): i for ref in parse_suites(ALL) for i in load_suite(ref, data_dir, limit=3)}
+    for line in (out / "predictions.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        g = grade(items[(r["suite"], r["id"])], r["content"], code_limits=Limits(timeout_s=3.0, memory_mb=512))
+        assert g.correct == r["correct"] and g.extracted == r["extracted"]
+
+
+def test_resume_skips_finished_items(full_run, local, data_dir, tmp_path):
+    src, results, _ = full_run
+    out = tmp_path / "resumed"
+    shutil.copytree(src, out)
+    again = Recording(local)
+    res2 = run_eval(config(out, data_dir), again)
+    assert again.asked == []  # nothing regenerated
+    assert [(r["suite"], r["n"], r["correct"]) for r in res2["runs"]] == \
+        [(r["suite"], r["n"], r["correct"]) for r in results["runs"]]
+    more = Recording(local)
+    res3 = run_eval(config(out, data_dir, suites="gsm8k", limit=4), more)
+    assert more.asked == [("gsm8k", "dense", "gsm8k-test-3", 0)]  # only the new item
+    assert res3["runs"][0]["n"] == 4
+    with pytest.raises(CotserveError, match="other settings"):
+        run_eval(config(out, data_dir, suites="gsm8k", max_tokens=MAX_TOKENS + 1), Recording(local))
+
+
+def test_interrupted_side_by_side_run_resumes(local, data_dir, tmp_path):
+    out = tmp_path / "interrupted"
+    first = Recording(local, stop_after=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(config(out, data_dir, suites="gsm8k", policy="a=dense,b=dense", limit=2, max_tokens=8), first)
+    logged = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(logged) == 1
+    done_key = (logged[0]["suite"], logged[0]["policy"], logged[0]["id"], logged[0]["sample"])
+    with open(out / "predictions.jsonl", "a") as f:
+        f.write('{"suite": "gsm8k", "policy": "a", "id"')  # a torn write, as a kill mid-line leaves
+    second = Recording(local)
+    res = run_eval(config(out, data_dir, suites="gsm8k", policy="a=dense,b=dense", limit=2, max_tokens=8), second)
+    assert done_key not in second.asked and len(second.asked) == 3
+    assert [(r["policy"], r["n"]) for r in res["runs"]] == [("a", 2), ("b", 2)]
+    report = (out / "report.md").read_text()
+    assert "| metric | a | b |" in report and "| suite | a | b |" in report
+
+
+# -- endpoint mode -------------------------------------------------------------------------------
+
+def make_app(engine, seen: list):
+    """A minimal OpenAI-compatible chat-completions app over the real engine (test helper)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from cotserve.engine.native import GenRequest
+    from cotserve.engine.sampling import SamplingParams
+    from cotserve.engine.textproc import split_reasoning
+    from cotserve.errors import PolicyError
+    from cotserve.policies.registry import build_policy
+
+    app = FastAPI()
+    lock = threading.Lock()
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": "bundled", "object": "model", "created": 0, "owned_by": "test"}]}
+
+    @app.post("/v1/chat/completions")
+    def chat(body: dict):
+        seen.append(body)
+        cs = body.get("cotserve") or {}
+        try:
+            build_policy(cs.get("policy", "dense"), cs.get("options"))
+        except PolicyError as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error",
+                                           "param": "cotserve.policy", "code": None}}, status_code=400)
+        ids = engine.apply_chat_template(body["messages"])
+        params = SamplingParams(max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 0.0),
+                                seed=body.get("seed"))
+        with lock:
+            (res,) = engine.generate([GenRequest(ids, params)], cs.get("policy", "dense"), cs.get("options"))
+        reasoning, content = split_reasoning(res.text)
+        return {
+            "id": "chatcmpl-test", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
+            "choices": [{"index": 0, "finish_reason": res.finish_reason,
+                         "message": {"role": "assistant", "content": content, "reasoning_content": reasoning}}],
+            "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+                      "total_tokens": res.prompt_tokens + res.completion_tokens},
+            "cotserve": res.telemetry,
+        }
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    import uvicorn
+
+    seen: list = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(make_app(engine, seen), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{port}", seen
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+def test_endpoint_mode_carries_the_policy_per_request(server, data_dir, tmp_path):
+    url, seen = server
+    backend = EndpointBackend(url + "/v1", "test-key", None, concurrency=2)
+    assert backend.model == "bundled"  # taken from /v1/models
+    res = run_eval(config(tmp_path, data_dir, suites="gsm8k", policy="a=dense,b=dense", limit=2, max_tokens=12),
+                   backend)
+    assert len(seen) == 4 and all(b["cotserve"] == {"policy": "dense", "options": {}} for b in seen)
+    assert all(b["max_tokens"] == 12 and b["model"] == "bundled" for b in seen)
+    recs = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert len(recs) == 4 and all(r["telemetry"]["kv_bytes_peak"] > 0 for r in recs)  # the response's cotserve
+    assert all(0 < r["completion_tokens"] <= 12 for r in recs)
+    assert [(r["policy"], r["n"], r["errors"]) for r in res["runs"]] == [("a", 2, 0), ("b", 2, 0)]
+    assert json.loads((tmp_path / "run_config.json").read_text())["backend"]["mode"] == "endpoint"
+
+
+def test_endpoint_refusing_a_policy_stops_the_run(server, data_dir, tmp_path):
+    url, _ = server
+    backend = EndpointBackend(url, None, "bundled", concurrency=2)
+    with pytest.raises(CotserveError, match="HTTP 400.*nosuchpolicy"):
+        run_eval(config(tmp_path, data_dir, suites="gsm8k", policy="nosuchpolicy", limit=2), backend)
+
+
+def test_unreachable_endpoint_is_one_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(CotserveError, match="cannot reach"):
+        EndpointBackend(f"http://127.0.0.1:{port}", None, None)
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "gsm9k"], "unknown suite"),
+    (["--suite", "gsm8k", "--policy", "nosuchpolicy"], "unknown policy"),
+    (["--suite", "gsm8k", "--limit", "0"], "--limit"),
+])
+def test_cli_bad_input_is_one_error_line(args, message, tmp_path, data_dir):
+    r = subprocess.run([sys.executable, "-m", "cotserve.cli", "eval", *args, "--out", str(tmp_path),
+                        "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_runs_a_custom_suite_and_resumes(tmp_path):
+    """The whole command in a subprocess on a made-up custom suite (tiny max-tokens)."""
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"uid": f"q{i}", "q": f"What is {i} + {i}?", "a": str(2 * i)}) + "\n"
+                            for i in (1, 2)))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "cotserve.cli", "eval", "--suite", f"custom:{data}:q:a:gsm8k:uid",
+           "--max-tokens", "4", "--out", str(out), "--no-progress", "--device", "cpu", "--dtype", "float32"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("custom:arith") and "n=2" in r.stdout
+    for name in ("results.json", "predictions.jsonl", "report.md", "accuracy_vs_tokens.png", "throughput.png"):
+        assert (out / name).is_file(), name
+    assert sorted(json.loads(x)["id"] for x in (out / "predictions.jsonl").read_text().splitlines()) == ["q1", "q2"]
+    r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r2.returncode == 0 and len((out / "predictions.jsonl").read_text().splitlines()) == 2  # nothing redone
