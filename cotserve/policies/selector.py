@@ -21,6 +21,8 @@ outside them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 NEG_INF = float("-inf")
@@ -52,12 +54,29 @@ def normalize(x: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     return x / x.sum(dim=-1, keepdim=True).clamp_min(TINY)
 
 
-def evidence(logits: torch.Tensor, allowed: torch.Tensor, cand: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+def evidence(logits: torch.Tensor, allowed: torch.Tensor | None, cand: torch.Tensor, alpha: float = 0.5
+             ) -> torch.Tensor:
     """Evidence distribution f per KV head (SFI Selector, evidence Eq.): row softmaxes over the
-    allowed positions (`row_evidence`), combined over the rows (dim -2: GQA group x window) by
-    the power mean, normalized over the candidates. `logits [..., H, R, S]` -> `[..., H, S]`."""
-    rows = row_evidence(logits, allowed & cand.unsqueeze(-2))
-    return normalize(power_mean(rows, alpha, dim=-2), cand)
+    allowed candidate positions, combined over the rows (dim -2: GQA group x window) by the power
+    mean, normalized over the candidates. `logits [..., H, R, S]` -> `[..., H, S]`.
+
+    Fused form of `power_mean(row_evidence(...))` (same value, fewer passes over the rows):
+    f_r^alpha = exp(alpha * (l_r - logsumexp(l_r))), so the softmax is never materialized.
+    `allowed=None` skips the masking pass: the caller has already written -inf into `logits`
+    wherever a row may not look (non-candidates included). Rows with no allowed position
+    contribute zero."""
+    x = logits.float()
+    if allowed is not None:
+        x = x.masked_fill(~(allowed & cand.unsqueeze(-2)), NEG_INF)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    empty = torch.isinf(lse)
+    lse = lse.masked_fill(empty, 0.0)
+    if alpha == 0.0:
+        logp = (x - lse).clamp_min(math.log(TINY)).masked_fill(empty, math.log(TINY))
+        m = torch.exp(logp.mean(dim=-2))
+    else:
+        m = torch.exp((x - lse).mul_(alpha)).mean(dim=-2).pow_(1.0 / alpha)
+    return normalize(m, cand)
 
 
 def key_norm_prior(key_norms: torch.Tensor, cand: torch.Tensor, power: float = 1.0) -> torch.Tensor:

@@ -37,13 +37,14 @@ if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
-def select_positions(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor,
+def select_positions(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor,
                      key_norms: torch.Tensor, now: int) -> torch.Tensor:
     """The whole SFI selector for one (sequence, layer): cache indices to keep per KV head.
 
-    logits [H, R, S] (R = GQA group x observation rows), allowed bool [H, R, S] (causal per row),
-    positions [H, S] true positions of the entries, key_norms [H, S]. Candidates are the entries
-    after the sinks. Returns long [H, min(k, S - sinks)] sorted ascending."""
+    logits [H, R, S] (R = GQA group x observation rows), allowed bool [H, R, S] (causal per row;
+    None: already applied to `logits` as -inf), positions [H, S] true positions of the entries,
+    key_norms [H, S]. Candidates are the entries after the sinks. Returns long
+    [H, min(k, S - sinks)] sorted ascending."""
     h, _, s = logits.shape
     idx = torch.arange(s, device=logits.device)
     cand = (idx >= cfg.sinks).unsqueeze(0).expand(h, s)
@@ -61,6 +62,21 @@ def select_positions(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor
     logs = sel.soft_nms(logs, cfg.nms_window, cfg.nms_strength)
     logs = sel.cross_head_exclusivity(logs, cfg.excl_strength, cfg.excl_temperature)
     return sel.topk_per_head(logs, k_eff)
+
+
+def mask_rows_inplace(logits: torch.Tensor, positions: torch.Tensor, row_pos: torch.Tensor, sinks: int) -> None:
+    """Write -inf where a query row may not look: the sinks (always read, so not candidates) and,
+    per row, entries newer than the row's own position (causal). logits [H, G, R, S], positions
+    [H, S] sorted ascending per head, row_pos [R]. Only the tail newer than the oldest row is
+    touched, so this costs O(R x window) instead of a full mask."""
+    logits[..., :sinks] = float("-inf")
+    h, _, r, s = logits.shape
+    oldest = row_pos.min().view(1, 1).expand(h, 1).contiguous()
+    cut = int(torch.searchsorted(positions.contiguous(), oldest, right=True).min())
+    if cut < s:
+        tail = positions[:, cut:]  # [H, T]
+        bad = tail.unsqueeze(1) > row_pos.view(1, r, 1)  # [H, R, T]
+        logits[..., cut:].masked_fill_(bad.unsqueeze(1), float("-inf"))
 
 
 @register
@@ -111,12 +127,12 @@ class SFIPolicy(Policy):
         h, g, r, _ = logits.shape
         pos = cache.pos[layer, b, :, :n]  # [H, n]
         rp = torch.tensor(row_pos, device=pos.device)
-        allowed = (pos.unsqueeze(1) <= rp.view(1, r, 1)).unsqueeze(1).expand(h, g, r, n).reshape(h, g * r, n)
+        mask_rows_inplace(logits, pos, rp, cfg.sinks)
         upto = self.knorm_upto[layer][b]
         if upto < n:
             self.knorm[layer, b, :, upto:n] = cache.k[layer, b, :, upto:n].float().norm(dim=-1)
             self.knorm_upto[layer][b] = n
-        idx = select_positions(cfg, logits.reshape(h, g * r, n), allowed, pos, self.knorm[layer, b, :, :n],
+        idx = select_positions(cfg, logits.reshape(h, g * r, n), None, pos, self.knorm[layer, b, :, :n],
                                now=max(row_pos))
         kk, vv = cache.k[layer, b, :, :n], cache.v[layer, b, :, :n]
         self.cpos[layer, b].fill_(-1)
