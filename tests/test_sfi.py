@@ -15,7 +15,7 @@ from cotserve.policies.base import grouped_attention
 from cotserve.policies.registry import build_policy, parse_options
 from cotserve.policies.sfi import RefreshTrigger, SFIConfig
 from cotserve.policies.sfi.attention import fast_attention, fast_attention_reference, slow_attention
-from cotserve.policies.sfi.policy import select_positions
+from cotserve.policies.sfi.policy import mask_rows_inplace, select_positions
 
 # -- attention ------------------------------------------------------------------------------
 
@@ -82,6 +82,24 @@ def test_selector_pipeline_keeps_sinks_out_and_caps_k():
     assert idx.shape == (h, 10) and int(idx.min()) >= 4 and (idx == 20).any(-1).all()
     small = select_positions(SFIConfig(sinks=4, k=100), logits, allowed, pos, torch.ones(h, s), now=s - 1)
     assert small.shape == (h, s - 4) and torch.equal(small[0], torch.arange(4, s))
+
+
+def test_inplace_row_masking_matches_the_explicit_allowed_mask():
+    g = torch.Generator().manual_seed(3)
+    h, grp, r, s, sinks = 3, 3, 5, 40, 4
+    logits = torch.randn(h, grp, r, s, generator=g)
+    pos = torch.arange(s).expand(h, s)
+    row_pos = torch.tensor([35, 36, 37, 38, 39])
+    allowed = (pos.unsqueeze(1) <= row_pos.view(1, r, 1)) & (pos.unsqueeze(1) >= sinks)  # [H, R, S]
+    allowed = allowed.unsqueeze(1).expand(h, grp, r, s).reshape(h, grp * r, s)
+    cfg = SFIConfig(sinks=sinks, k=9)
+    want = select_positions(cfg, logits.reshape(h, grp * r, s), allowed, pos, torch.ones(h, s), now=39)
+    masked = logits.clone()
+    mask_rows_inplace(masked, pos, row_pos, sinks)
+    assert torch.isinf(masked[..., :sinks]).all() and torch.isinf(masked[:, :, 0, 36:]).all()
+    assert torch.isfinite(masked[:, :, 0, sinks:36]).all() and torch.isfinite(masked[:, :, -1, sinks:]).all()
+    got = select_positions(cfg, masked.reshape(h, grp * r, s), None, pos, torch.ones(h, s), now=39)
+    assert torch.equal(got, want)
 
 
 # -- trigger --------------------------------------------------------------------------------

@@ -212,7 +212,7 @@ class SFIPolicy(Policy):
         if self.any_fast:
             out = self._fast(layer, q, batch)
         else:
-            out = torch.empty_like(q)
+            out = torch.zeros_like(q)
         for b in self.slow_slots:
             n = self.lens[b]
             rows = [i for i, p in enumerate(self.ring_pos[b]) if p >= 0]
