@@ -68,15 +68,26 @@ def evidence(logits: torch.Tensor, allowed: torch.Tensor | None, cand: torch.Ten
     x = logits.float()
     if allowed is not None:
         x = x.masked_fill(~(allowed & cand.unsqueeze(-2)), NEG_INF)
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    empty = torch.isinf(lse)
-    lse = lse.masked_fill(empty, 0.0)
+    m = x.amax(dim=-1, keepdim=True)
+    empty = torch.isinf(m)  # a row with no allowed position
+    m = m.masked_fill(empty, 0.0)
+    rows = x.shape[-2]
     if alpha == 0.0:
-        logp = (x - lse).clamp_min(math.log(TINY)).masked_fill(empty, math.log(TINY))
-        m = torch.exp(logp.mean(dim=-2))
+        lse = torch.logsumexp(x, dim=-1, keepdim=True).masked_fill(empty, 0.0)
+        logp = (x - lse).clamp_min(math.log(TINY))
+        out = torch.exp(logp.mean(dim=-2))
     else:
-        m = torch.exp((x - lse).mul_(alpha)).mean(dim=-2).pow_(1.0 / alpha)
-    return normalize(m, cand)
+        # e^alpha with e = exp(x - max) (one exp pass); row sums from e = (e^alpha)^(1/alpha)
+        ea = torch.sub(x, m).mul_(alpha).exp_()
+        if alpha == 0.5:
+            z = torch.linalg.vecdot(ea, ea, dim=-1)
+        elif alpha == 1.0:
+            z = ea.sum(-1)
+        else:
+            z = torch.exp(x - m).sum(-1)
+        w = z.clamp_min(TINY).pow(-alpha).masked_fill(empty.squeeze(-1), 0.0) / rows  # [..., R]
+        out = torch.matmul(w.unsqueeze(-2), ea).squeeze(-2).clamp_min(0.0).pow_(1.0 / alpha)
+    return normalize(out, cand)
 
 
 def key_norm_prior(key_norms: torch.Tensor, cand: torch.Tensor, power: float = 1.0) -> torch.Tensor:
@@ -160,8 +171,7 @@ def soft_nms(logs: torch.Tensor, window: int, strength: float) -> torch.Tensor:
         return logs
     shape = logs.shape
     x = logs.reshape(-1, 1, shape[-1]).float()
-    finite_min = torch.finfo(torch.float32).min
-    xf = torch.where(torch.isfinite(x), x, torch.full_like(x, finite_min))
+    xf = x.clamp_min(torch.finfo(torch.float32).min)  # -inf (non-candidates) pools as a finite minimum
     _, idx = torch.nn.functional.max_pool1d(xf, 2 * window + 1, stride=1, padding=window, return_indices=True)
     pos = torch.arange(shape[-1], device=logs.device)
     dist = (idx - pos).abs().float()
@@ -181,12 +191,10 @@ def cross_head_exclusivity(logs: torch.Tensor, strength: float, temperature: flo
     most `strength` nats). `logs [..., H, S]` (H on dim -2), per-head normalized log scores."""
     if strength == 0.0 or logs.shape[-2] < 2:
         return logs
-    finite = torch.isfinite(logs)
-    x = torch.where(finite, logs, torch.full_like(logs, -1e30))
+    x = logs.clamp_min(-1e30)  # -inf (non-candidates): finite for the softmax; stays -inf below
     w = torch.softmax(x / temperature, dim=-2)
     rel = w / w.max(dim=-2, keepdim=True).values.clamp_min(TINY)
-    out = logs - strength * (1.0 - rel)
-    return torch.where(finite, out, logs)
+    return logs - strength * (1.0 - rel)
 
 
 def topk_per_head(logs: torch.Tensor, k: int) -> torch.Tensor:

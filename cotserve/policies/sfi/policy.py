@@ -142,10 +142,10 @@ class SFIPolicy(Policy):
         self.cpos[layer, b, :, :ns] = pos[:, :ns]
         ke = idx.shape[1]
         if ke:
-            gi = idx.unsqueeze(-1).expand(-1, -1, kk.shape[-1])
+            hi = torch.arange(kk.shape[0], device=idx.device).unsqueeze(1)
             s0 = cfg.sinks
-            self.ck[layer, b, :, s0 : s0 + ke] = torch.gather(kk, 1, gi)
-            self.cv[layer, b, :, s0 : s0 + ke] = torch.gather(vv, 1, gi)
+            self.ck[layer, b, :, s0 : s0 + ke] = kk[hi, idx]  # row copies (faster than gather on CPU)
+            self.cv[layer, b, :, s0 : s0 + ke] = vv[hi, idx]
             self.cpos[layer, b, :, s0 : s0 + ke] = torch.gather(pos, 1, idx)
         self.k_eff[b] = ke
 
