@@ -1,0 +1,205 @@
+"""The selector toolbox: which KV positions each KV head should keep reading.
+
+Shared by read-selection policies (SFI first; quest/sinkrouter/snapkv-style baselines may import
+it). Each step is one small function on plain tensors, in the order SFI's Selector applies them
+(Xie et al., "Slow-Fast Inference: Training-Free Inference Acceleration via Within-Sentence
+Support Stability", arXiv:2603.12038, Sec. "Selector"):
+
+  1. evidence f      `row_evidence` + `power_mean`  -> `evidence`
+  2. prior r         `key_norm_prior` * `position_prior` -> `prior`
+  3. fusion s        `stability_lambda`, `geometric_fusion` (paper) / `linear_fusion` (option)
+  4. diversity       `soft_nms` (within a head), `cross_head_exclusivity` (across the KV heads of a layer)
+  5. `topk_per_head` -> sorted cache indices
+
+The paper text was not available while this was written: the forms below follow the issue's
+description of the method (cotserve issue 3); where a detail (a kernel shape, a default) is our
+choice, the docstring says so. Shapes: scores are `[..., H, S]` (H = KV heads, S = cache
+entries); `cand` is a bool mask broadcastable to that, True where a position may be selected
+(non-sink, valid). Distributions are normalized over the candidates; log scores are `-inf`
+outside them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+TINY = 1e-30
+
+
+def row_evidence(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Per-row attention evidence (SFI Selector, evidence Eq.): f_i(p) = softmax over the allowed
+    positions of query row i's logits q_i.k_p/sqrt(d). `logits [..., R, S]`, `allowed` bool
+    broadcastable to it. Rows with no allowed position are all zero."""
+    masked = logits.float().masked_fill(~allowed, NEG_INF)
+    probs = torch.softmax(masked, dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+def power_mean(f: torch.Tensor, alpha: float, dim: int) -> torch.Tensor:
+    """Power mean M_alpha(f) = (mean_r f_r^alpha)^(1/alpha) over `dim` (SFI Selector: the query
+    rows of a GQA group and of the observation window are combined this way; alpha = 0.5 in the
+    paper's default). alpha -> 0 is the log-mean exp(mean_r log f_r) (geometric mean); alpha = 1
+    the arithmetic mean; alpha -> inf the max."""
+    if alpha == 0.0:
+        return torch.exp(torch.log(f.clamp_min(TINY)).mean(dim=dim))
+    return f.pow(alpha).mean(dim=dim).pow(1.0 / alpha)
+
+
+def normalize(x: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """Restrict a nonnegative score to the candidates and normalize it to a distribution."""
+    x = x.masked_fill(~cand, 0.0)
+    return x / x.sum(dim=-1, keepdim=True).clamp_min(TINY)
+
+
+def evidence(logits: torch.Tensor, allowed: torch.Tensor | None, cand: torch.Tensor, alpha: float = 0.5
+             ) -> torch.Tensor:
+    """Evidence distribution f per KV head (SFI Selector, evidence Eq.): row softmaxes over the
+    allowed candidate positions, combined over the rows (dim -2: GQA group x window) by the power
+    mean, normalized over the candidates. `logits [..., H, R, S]` -> `[..., H, S]`.
+
+    Fused form of `power_mean(row_evidence(...))` (same value, fewer passes over the rows):
+    f_r^alpha = exp(alpha * (l_r - logsumexp(l_r))), so the softmax is never materialized.
+    `allowed=None` skips the masking pass: the caller has already written -inf into `logits`
+    wherever a row may not look (non-candidates included). Rows with no allowed position
+    contribute zero."""
+    x = logits.float()
+    if allowed is not None:
+        x = x.masked_fill(~(allowed & cand.unsqueeze(-2)), NEG_INF)
+    m = x.amax(dim=-1, keepdim=True)
+    empty = torch.isinf(m)  # a row with no allowed position
+    m = m.masked_fill(empty, 0.0)
+    rows = x.shape[-2]
+    if alpha == 0.0:
+        lse = torch.logsumexp(x, dim=-1, keepdim=True).masked_fill(empty, 0.0)
+        logp = (x - lse).clamp_min(math.log(TINY))
+        out = torch.exp(logp.mean(dim=-2))
+    else:
+        # e^alpha with e = exp(x - max) (one exp pass); row sums from e = (e^alpha)^(1/alpha)
+        ea = torch.sub(x, m).mul_(alpha).exp_()
+        if alpha == 0.5:
+            z = torch.linalg.vecdot(ea, ea, dim=-1)
+        elif alpha == 1.0:
+            z = ea.sum(-1)
+        else:
+            z = torch.exp(x - m).sum(-1)
+        w = z.clamp_min(TINY).pow(-alpha).masked_fill(empty.squeeze(-1), 0.0) / rows  # [..., R]
+        out = torch.matmul(w.unsqueeze(-2), ea).squeeze(-2).clamp_min(0.0).pow_(1.0 / alpha)
+    return normalize(out, cand)
+
+
+def key_norm_prior(key_norms: torch.Tensor, cand: torch.Tensor, power: float = 1.0) -> torch.Tensor:
+    """Key-norm factor of the prior (SFI Selector, prior Eq.): r_k(p) ∝ (||k_p|| / mean ||k||)^-power.
+    Large-norm keys win dot products for reasons other than relevance (logit inflation), so the
+    prior favours small-norm keys; `power` = 0 switches the factor off. Returns unnormalized
+    log-factors `[..., H, S]` (0 outside the candidates)."""
+    norms = key_norms.float().clamp_min(TINY)
+    c = cand.float()
+    mean = (norms * c).sum(-1, keepdim=True) / c.sum(-1, keepdim=True).clamp_min(1.0)
+    return (-power * torch.log(norms / mean.clamp_min(TINY))).masked_fill(~cand, 0.0)
+
+
+def position_prior(positions: torch.Tensor, now: int | torch.Tensor, decay: float = 1.0, tail: int = 256,
+                   brake: float = 0.05) -> torch.Tensor:
+    """Position factor of the prior (SFI Selector, prior Eq.), as unnormalized log-factors:
+
+    * global decay: log r = -decay * d / now, d = now - position (older positions slightly less
+      likely; scale-free because d is measured relative to the context length `now`);
+    * tail brake: the `tail` most recent positions are damped by a linear ramp from `brake` (the
+      newest) to 1 (d = tail), since they are read anyway by the recent window and would otherwise
+      win on recency alone. The ramp shape is our choice (the issue names only "tail brake").
+    """
+    now_t = torch.as_tensor(now, device=positions.device, dtype=torch.float32)
+    d = (now_t - positions.float()).clamp_min(0.0)
+    out = -decay * d / now_t.clamp_min(1.0)
+    if tail > 0 and brake < 1.0:
+        ramp = brake + (1.0 - brake) * (d / float(tail)).clamp(max=1.0)
+        out = out + torch.log(ramp.clamp_min(TINY))
+    return out
+
+
+def prior(log_factors: list[torch.Tensor], cand: torch.Tensor) -> torch.Tensor:
+    """The prior r: product of the factors (sum of their logs), normalized over the candidates."""
+    total = sum(log_factors[1:], log_factors[0])
+    total = total.masked_fill(~cand, NEG_INF)
+    return torch.softmax(total, dim=-1).nan_to_num(0.0)
+
+
+def stability_lambda(f: torch.Tensor, r: torch.Tensor, clip: float = 1.0) -> torch.Tensor:
+    """Per-head fusion weight by the stability rule (SFI Selector, Eq. for lambda*):
+    lambda* = <f, f - r> / ||f - r||^2, the minimiser of ||(1-lambda) f + lambda r||^2 (the mixture's
+    collision mass: the most spread, hence most stable, mixture), clipped to [0, clip].
+    `f, r [..., H, S]` -> `[..., H, 1]`; 0 where f == r."""
+    diff = f - r
+    num = (f * diff).sum(-1, keepdim=True)
+    den = (diff * diff).sum(-1, keepdim=True)
+    lam = torch.where(den > 0, num / den.clamp_min(TINY), torch.zeros_like(num))
+    return lam.clamp(0.0, clip)
+
+
+def geometric_fusion(f: torch.Tensor, r: torch.Tensor, lam: torch.Tensor | float, cand: torch.Tensor) -> torch.Tensor:
+    """Fusion by the paper's reverse-KL objective (SFI Selector, fusion Eq.):
+    s* = argmin_s KL(s||f) + lambda KL(s||r) = f^(1/(1+lambda)) r^(lambda/(1+lambda)) / Z
+    (setting the gradient of sum s log s - sum s (log f + lambda log r)/(1+lambda) to zero under
+    sum s = 1). Returns log s `[..., H, S]`, normalized, -inf outside the candidates."""
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=f.device)
+    logs = (torch.log(f.clamp_min(TINY)) + lam * torch.log(r.clamp_min(TINY))) / (1.0 + lam)
+    logs = logs.masked_fill(~cand, NEG_INF)
+    return torch.log_softmax(logs, dim=-1)
+
+
+def linear_fusion(f: torch.Tensor, r: torch.Tensor, lam: torch.Tensor | float, cand: torch.Tensor) -> torch.Tensor:
+    """Linear mixture s = (1 - lambda) f + lambda r (an option; the forward-KL counterpart of the
+    paper's geometric fusion), lambda clipped to [0, 1]. Returns log s, -inf outside candidates."""
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=f.device).clamp(0.0, 1.0)
+    s = normalize((1.0 - lam) * f + lam * r, cand)
+    return torch.log(s.clamp_min(TINY)).masked_fill(~cand, NEG_INF)
+
+
+def soft_nms(logs: torch.Tensor, window: int, strength: float) -> torch.Tensor:
+    """Soft non-maximum suppression in log-score space (SFI Selector, diversity step).
+
+    Neighbouring tokens carry overlapping information, so a position that is not the maximum of
+    its +-`window` neighbourhood is lowered by strength * overlap, overlap = 1 - |p - m|/(window+1)
+    where m is the neighbourhood's maximum (Soft-NMS's linear decay, Bodla et al. 2017, with 1-D
+    distance as the overlap). Local maxima keep their score. This is the one-pass (parallel) form
+    of greedy Soft-NMS: each position is suppressed by the strongest position around it, computed
+    with one max-pool. `logs [..., S]`."""
+    if window <= 0 or strength == 0.0:
+        return logs
+    shape = logs.shape
+    x = logs.reshape(-1, 1, shape[-1]).float()
+    xf = x.clamp_min(torch.finfo(torch.float32).min)  # -inf (non-candidates) pools as a finite minimum
+    _, idx = torch.nn.functional.max_pool1d(xf, 2 * window + 1, stride=1, padding=window, return_indices=True)
+    pos = torch.arange(shape[-1], device=logs.device)
+    dist = (idx - pos).abs().float()
+    overlap = (1.0 - dist / float(window + 1)).clamp_min(0.0)
+    penalty = strength * overlap * (idx != pos)
+    out = x - penalty
+    return out.reshape(shape)
+
+
+def cross_head_exclusivity(logs: torch.Tensor, strength: float, temperature: float = 1.0) -> torch.Tensor:
+    """Cross-head exclusivity across the KV heads of one layer (SFI Selector, diversity step).
+
+    The heads of a layer have separate budgets; spending several of them on the same position adds
+    little. Ownership w_h(p) = softmax over heads of log s_h(p) / temperature; each head's score
+    is lowered by strength * (1 - w_h(p) / max_h' w_h'(p)): the strongest head keeps a shared
+    position untouched, the weaker heads are pushed towards other positions (the penalty is at
+    most `strength` nats). `logs [..., H, S]` (H on dim -2), per-head normalized log scores."""
+    if strength == 0.0 or logs.shape[-2] < 2:
+        return logs
+    x = logs.clamp_min(-1e30)  # -inf (non-candidates): finite for the softmax; stays -inf below
+    w = torch.softmax(x / temperature, dim=-2)
+    rel = w / w.max(dim=-2, keepdim=True).values.clamp_min(TINY)
+    return logs - strength * (1.0 - rel)
+
+
+def topk_per_head(logs: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-K per KV head, returned sorted by cache index (ascending, for locality when packing).
+    `logs [..., H, S]` -> long `[..., H, k]`; k must not exceed the number of candidates."""
+    k = min(k, logs.shape[-1])
+    idx = torch.topk(logs, k, dim=-1, sorted=False).indices
+    return idx.sort(dim=-1).values

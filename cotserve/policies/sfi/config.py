@@ -1,0 +1,68 @@
+"""SFI's knobs. Every field is a `--policy-opt sfi.NAME=VALUE` (or a YAML/JSON key, or a
+per-request option). README section "SFI" lists each default and where it comes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cotserve.policies.base import PolicyConfig
+
+TRIGGERS = ("boundary", "fixed_periodic", "disabled")
+FUSIONS = ("geometric", "linear")
+
+
+@dataclass
+class SFIConfig(PolicyConfig):
+    # memory layout (issue 3 / paper defaults)
+    sinks: int = 4  # first entries always read (attention sinks)
+    recent: int = 256  # most recent entries, read in place from the main cache
+    k: int = 2048  # selected entries per KV head (capped by what exists)
+    obs_window: int = 8  # query rows per refresh: last prompt queries at bootstrap, last decode queries after
+    # trigger
+    trigger: str = "boundary"  # boundary | fixed_periodic | disabled
+    min_gap: int = 16  # a boundary refresh waits until this many steps since the last refresh
+    max_interval: int = 64  # refresh budget: a refresh is forced after this many steps
+    cooldown: int = 4  # boundaries seen this soon after a refresh are dropped (runs like ".\n\n")
+    period: int = 32  # fixed_periodic: refresh every `period` steps
+    # selector: evidence
+    alpha: float = 0.5  # power-mean exponent over query rows (0 = log-mean)
+    # selector: prior
+    norm_power: float = 1.0  # key-norm factor exponent (0 = off)
+    decay: float = 1.0  # global position decay (log-factor -decay * distance / context)
+    tail: int = -1  # tail-brake length; -1 = the recent window
+    brake: float = 0.05  # tail-brake factor at the newest position
+    # selector: fusion
+    fusion: str = "geometric"  # geometric (paper, reverse KL) | linear
+    lam: float = -1.0  # fusion weight; negative = per-head stability rule lambda*
+    lam_clip: float = 1.0  # lambda* is clipped to [0, lam_clip]
+    # selector: diversity
+    nms_window: int = 2  # soft-NMS half-window (positions)
+    nms_strength: float = 0.5  # soft-NMS penalty at full overlap (nats)
+    excl_strength: float = 0.5  # cross-head exclusivity penalty (nats, at most)
+    excl_temperature: float = 1.0  # ownership softmax temperature
+
+    def validate(self) -> None:
+        for name in ("sinks", "recent", "nms_window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        for name in ("k", "obs_window", "min_gap", "max_interval", "period"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.cooldown < 0:
+            raise ValueError(f"cooldown must be >= 0 (got {self.cooldown})")
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"trigger must be one of {', '.join(TRIGGERS)} (got {self.trigger!r})")
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {', '.join(FUSIONS)} (got {self.fusion!r})")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be >= 0 (got {self.alpha})")
+        if not 0.0 < self.brake <= 1.0:
+            raise ValueError(f"brake must be in (0, 1] (got {self.brake})")
+        if self.lam_clip < 0 or self.excl_temperature <= 0:
+            raise ValueError("lam_clip must be >= 0 and excl_temperature > 0")
+        if self.fusion == "linear" and self.lam > 1.0:
+            raise ValueError(f"linear fusion needs lam <= 1 (got {self.lam})")
+
+    @property
+    def tail_len(self) -> int:
+        return self.recent if self.tail < 0 else self.tail

@@ -1,0 +1,50 @@
+"""When SFI takes a slow step (dense attention + re-selection): the refresh trigger.
+
+SFI (arXiv:2603.12038) observes that the dominant attention support is stable within a sentence,
+so the selection is refreshed near sentence boundaries. Per sequence, at decode step t (0 = the
+first decode forward; the bootstrap after prefill counts as a refresh at t = -1), with
+g = t - (last refresh):
+
+* `boundary` (default): when the step's input token is the first token after a sentence-end
+  token (`boundaries.sentence_end_ids`, from the vocabulary), a refresh is due. It fires at once
+  if g >= min_gap, otherwise it stays pending and fires at the first step with g >= min_gap.
+  A boundary seen within `cooldown` steps of the last refresh is dropped (a run such as ".\\n\\n"
+  gives one refresh, not three). Whatever happens, g >= max_interval forces a refresh (the
+  refresh budget).
+* `fixed_periodic` (ablation): every `period` steps, boundaries ignored.
+* `disabled` (ablation): never after the bootstrap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RefreshTrigger:
+    mode: str = "boundary"
+    min_gap: int = 16
+    max_interval: int = 64
+    cooldown: int = 4
+    period: int = 32
+    last: int = -1  # step of the last refresh (bootstrap = -1)
+    pending: bool = False
+
+    def reset(self, step: int = -1) -> None:
+        self.last = step
+        self.pending = False
+
+    def step(self, t: int, after_boundary: bool) -> bool:
+        """Decide step t; `after_boundary`: the previous token ended a sentence. True = slow step."""
+        g = t - self.last
+        if self.mode == "disabled":
+            return False
+        if self.mode == "fixed_periodic":
+            fire = g >= self.period
+        else:
+            if after_boundary and g > self.cooldown:
+                self.pending = True
+            fire = (self.pending and g >= self.min_gap) or g >= self.max_interval
+        if fire:
+            self.reset(t)
+        return fire

@@ -1,0 +1,197 @@
+"""SFI policy: fast/slow attention against references, trigger logic, exactness in the engine when
+sink + K + recent covers the context, telemetry, options through the registry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cotserve.engine.native import GenRequest
+from cotserve.engine.sampling import SamplingParams
+from cotserve.errors import PolicyError
+from cotserve.policies.base import grouped_attention
+from cotserve.policies.registry import build_policy, parse_options
+from cotserve.policies.sfi import RefreshTrigger, SFIConfig
+from cotserve.policies.sfi.attention import fast_attention, fast_attention_reference, slow_attention
+from cotserve.policies.sfi.policy import mask_rows_inplace, select_positions
+
+# -- attention ------------------------------------------------------------------------------
+
+
+def test_fast_attention_equals_reference_over_the_same_positions():
+    g = torch.Generator().manual_seed(0)
+    b, hkv, grp, d, s, sinks, k, recent = 3, 2, 3, 16, 60, 2, 12, 10
+    q = torch.randn(b, hkv * grp, 1, d, generator=g)
+    kc = torch.randn(b, hkv, s, d, generator=g)
+    vc = torch.randn(b, hkv, s, d, generator=g)
+    lens = torch.tensor([60, 55, 48])  # ragged slots
+    ck = torch.zeros(b, hkv, sinks + k, d)
+    cv = torch.zeros_like(ck)
+    cpos = torch.full((b, hkv, sinks + k), -1)
+    for bi in range(b):
+        n = int(lens[bi])
+        for h in range(hkv):
+            # selected positions per head, some of them inside the current recent window
+            sel = torch.randperm(n - sinks, generator=g)[: k - bi].sort().values + sinks
+            idx = torch.cat([torch.arange(sinks), sel])
+            ck[bi, h, : len(idx)] = kc[bi, h, idx]
+            cv[bi, h, : len(idx)] = vc[bi, h, idx]
+            cpos[bi, h, : len(idx)] = idx
+    wstart = (lens - recent).clamp_min(0)
+    lo, hi = int(wstart.min()), int(lens.max())
+    ar = torch.arange(lo, hi)
+    wmask = ((ar >= wstart[:, None]) & (ar < lens[:, None])).unsqueeze(1)
+    cmask = (cpos >= 0) & (cpos < wstart.view(-1, 1, 1))
+    out = fast_attention(q, ck, cv, cmask, kc[:, :, lo:hi], vc[:, :, lo:hi], wmask, 0.25)
+    read = torch.zeros(b, hkv, s, dtype=torch.bool)
+    for bi in range(b):
+        for h in range(hkv):
+            read[bi, h, cpos[bi, h][cpos[bi, h] >= 0]] = True
+            read[bi, h, int(wstart[bi]) : int(lens[bi])] = True
+    ref = fast_attention_reference(q, kc, vc, read, 0.25)
+    assert torch.allclose(out, ref, atol=1e-5)
+    # a position both selected and recent is read once: reading it twice would change the output
+    twice = fast_attention(q, ck, cv, cpos >= 0, kc[:, :, lo:hi], vc[:, :, lo:hi], wmask, 0.25)
+    assert not torch.allclose(twice, ref, atol=1e-4)
+
+
+def test_slow_attention_is_dense_for_the_current_row_and_returns_all_rows_logits():
+    g = torch.Generator().manual_seed(1)
+    hkv, grp, w, s, d = 3, 3, 4, 40, 8
+    qrows = torch.randn(hkv * grp, w, d, generator=g)
+    k = torch.randn(hkv, s, d, generator=g)
+    v = torch.randn(hkv, s, d, generator=g)
+    out, logits = slow_attention(qrows, 2, k, v, 0.3)
+    ref = grouped_attention(qrows[None, :, 2:3], k[None], v[None], None, 0.3)[0]
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert logits.shape == (hkv, grp, w, s)
+    assert torch.allclose(logits[1, 2, 3], (k[1] @ qrows[1 * grp + 2, 3]) * 0.3, atol=1e-5)
+
+
+def test_selector_pipeline_keeps_sinks_out_and_caps_k():
+    g = torch.Generator().manual_seed(2)
+    h, r, s = 3, 6, 50
+    cfg = SFIConfig(sinks=4, k=10)
+    logits = torch.randn(h, r, s, generator=g)
+    logits[:, :, 20] += 8  # a strong position
+    allowed = torch.ones(h, r, s, dtype=torch.bool)
+    pos = torch.arange(s).expand(h, s)
+    idx = select_positions(cfg, logits, allowed, pos, torch.rand(h, s, generator=g) + 0.5, now=s - 1)
+    assert idx.shape == (h, 10) and int(idx.min()) >= 4 and (idx == 20).any(-1).all()
+    small = select_positions(SFIConfig(sinks=4, k=100), logits, allowed, pos, torch.ones(h, s), now=s - 1)
+    assert small.shape == (h, s - 4) and torch.equal(small[0], torch.arange(4, s))
+
+
+def test_inplace_row_masking_matches_the_explicit_allowed_mask():
+    g = torch.Generator().manual_seed(3)
+    h, grp, r, s, sinks = 3, 3, 5, 40, 4
+    logits = torch.randn(h, grp, r, s, generator=g)
+    pos = torch.arange(s).expand(h, s)
+    row_pos = torch.tensor([35, 36, 37, 38, 39])
+    allowed = (pos.unsqueeze(1) <= row_pos.view(1, r, 1)) & (pos.unsqueeze(1) >= sinks)  # [H, R, S]
+    allowed = allowed.unsqueeze(1).expand(h, grp, r, s).reshape(h, grp * r, s)
+    cfg = SFIConfig(sinks=sinks, k=9)
+    want = select_positions(cfg, logits.reshape(h, grp * r, s), allowed, pos, torch.ones(h, s), now=39)
+    masked = logits.clone()
+    mask_rows_inplace(masked, pos, row_pos, sinks)
+    assert torch.isinf(masked[..., :sinks]).all() and torch.isinf(masked[:, :, 0, 36:]).all()
+    assert torch.isfinite(masked[:, :, 0, sinks:36]).all() and torch.isfinite(masked[:, :, -1, sinks:]).all()
+    got = select_positions(cfg, masked.reshape(h, grp * r, s), None, pos, torch.ones(h, s), now=39)
+    assert torch.equal(got, want)
+
+
+# -- trigger --------------------------------------------------------------------------------
+
+
+def _fires(trig: RefreshTrigger, boundaries_after: set[int], steps: int) -> list[int]:
+    return [t for t in range(steps) if trig.step(t, t in boundaries_after)]
+
+
+def test_trigger_fires_on_the_first_token_after_a_boundary():
+    trig = RefreshTrigger("boundary", min_gap=4, max_interval=100, cooldown=2)
+    assert _fires(trig, {10, 30}, 40) == [10, 30]
+
+
+def test_trigger_min_gap_defers_and_cooldown_drops():
+    trig = RefreshTrigger("boundary", min_gap=6, max_interval=100, cooldown=2)
+    # boundary at 10 fires; 11 and 12 are within the cooldown (dropped); 14 is pending until 16
+    assert _fires(trig, {10, 11, 12, 14}, 30) == [10, 16]
+    trig = RefreshTrigger("boundary", min_gap=6, max_interval=100, cooldown=2)
+    assert _fires(trig, {10, 11, 12}, 30) == [10]  # a run of boundary tokens: one refresh
+
+
+def test_trigger_max_interval_forces_and_ablations():
+    trig = RefreshTrigger("boundary", min_gap=4, max_interval=10, cooldown=1)
+    assert _fires(trig, set(), 35) == [9, 19, 29]  # bootstrap counts as a refresh at -1
+    trig = RefreshTrigger("boundary", min_gap=4, max_interval=10, cooldown=1)
+    assert _fires(trig, {5}, 30) == [5, 15, 25]
+    assert _fires(RefreshTrigger("fixed_periodic", period=7), {3, 4, 5}, 30) == [6, 13, 20, 27]
+    assert _fires(RefreshTrigger("disabled", max_interval=2), {3, 4, 5}, 30) == []
+
+
+# -- engine ---------------------------------------------------------------------------------
+
+
+def _run(engine, prompts, policy, options=None, forced=None, n=24):
+    reqs = [GenRequest(p, SamplingParams(max_tokens=n, ignore_eos=True), record_logprobs=True,
+                       forced_ids=None if forced is None else forced[i]) for i, p in enumerate(prompts)]
+    return engine.generate(reqs, policy, options)
+
+
+PROMPTS = [
+    "Prove that the square root of two is irrational. Be careful. Use a contradiction.",
+    "List three prime numbers. Then add them. What is the sum?",
+]
+
+
+def test_sfi_equals_dense_when_sink_k_recent_cover_the_context(engine):
+    prompts = [engine.encode_prompt(p) for p in PROMPTS]
+    dense = _run(engine, prompts, "dense")
+    forced = [r.token_ids for r in dense]
+    # tiny recent window + k covering everything + frequent refreshes: every step mixes compact and
+    # window reads, and slow steps happen, yet the logits must be dense's
+    opts = {"recent": 6, "k": 4096, "sinks": 4, "max_interval": 5, "min_gap": 2, "cooldown": 1}
+    sfi = _run(engine, prompts, "sfi", opts, forced)
+    for d, s in zip(dense, sfi, strict=True):
+        assert s.token_ids == d.token_ids
+        assert s.greedy_ids == d.greedy_ids
+        assert (d.logprobs.float().exp() - s.logprobs.float().exp()).abs().max() < 2e-3
+        tele = s.telemetry
+        assert tele["sfi_slow_steps"] >= 3 and tele["sfi_steps"] == len(d.token_ids) - 1
+        assert tele["sfi_retained_ratio"] == 1.0
+    # the same with a sparse budget really reads less, and differs
+    sparse = _run(engine, prompts, "sfi", {"recent": 6, "k": 8, "max_interval": 6}, forced)
+    for s in sparse:
+        assert 0.0 < s.telemetry["sfi_retained_ratio"] < 0.9
+        assert 0.0 < s.telemetry["sfi_slow_step_ratio"] < 0.5
+    assert any((d.logprobs.float() - s.logprobs.float()).abs().max() > 0.05 for d, s in zip(dense, sparse, strict=True))
+
+
+def test_sfi_trigger_ablations_in_the_engine(engine):
+    prompts = [engine.encode_prompt(PROMPTS[1])]
+    off = _run(engine, prompts, "sfi", {"trigger": "disabled", "k": 8, "recent": 8}, n=16)[0]
+    assert off.telemetry["sfi_slow_steps"] == 0
+    per = _run(engine, prompts, "sfi", {"trigger": "fixed_periodic", "period": 5, "k": 8, "recent": 8}, n=16)[0]
+    assert per.telemetry["sfi_slow_steps"] == 3  # steps 4, 9, 14 of 15
+
+
+# -- options --------------------------------------------------------------------------------
+
+
+def test_options_parse_through_the_registry(tmp_path):
+    stack = build_policy("sfi", parse_options(["k=1024", "recent=128", "trigger=fixed_periodic", "sfi.alpha=0"]))
+    (p,) = stack.parts
+    assert (p.config.k, p.config.recent, p.config.trigger, p.config.alpha) == (1024, 128, "fixed_periodic", 0.0)
+    f = tmp_path / "o.json"
+    f.write_text(json.dumps({"sfi": {"k": 512, "fusion": "linear", "lam": 0.3}}))
+    (p,) = build_policy("sfi", parse_options(["sfi.sinks=2"], str(f))).parts
+    assert (p.config.k, p.config.fusion, p.config.lam, p.config.sinks) == (512, "linear", 0.3, 2)
+    y = tmp_path / "o.yaml"
+    y.write_text("sfi:\n  min_gap: 3\n  max_interval: 9\n")
+    (p,) = build_policy("sfi", parse_options(None, str(y))).parts
+    assert (p.config.min_gap, p.config.max_interval) == (3, 9)
+    for bad in (["trigger=sometimes"], ["k=0"], ["fusion=max"], ["k=lots"], ["nosuch=1"], ["brake=0"]):
+        with pytest.raises(PolicyError):
+            build_policy("sfi", parse_options(bad))

@@ -1,0 +1,189 @@
+"""The selector toolbox, each piece against a direct computation (SFI, arXiv:2603.12038)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cotserve.policies import selector as sel
+
+
+def _simplex(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(*shape, generator=g) ** 3 + 1e-4
+    return x / x.sum(-1, keepdim=True)
+
+
+def _objective(s: torch.Tensor, f: torch.Tensor, r: torch.Tensor, lam: float) -> torch.Tensor:
+    """KL(s||f) + lambda KL(s||r), computed directly."""
+    return (s * (s.log() - f.log())).sum(-1) + lam * (s * (s.log() - r.log())).sum(-1)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0, 4.0])
+def test_geometric_fusion_minimises_the_reverse_kl_objective(lam):
+    f, r = _simplex(2, 40, seed=1), _simplex(2, 40, seed=2)
+    cand = torch.ones(2, 40, dtype=torch.bool)
+    s = sel.geometric_fusion(f, r, lam, cand).exp()
+    assert torch.allclose(s.sum(-1), torch.ones(2), atol=1e-5)
+    best = _objective(s, f, r, lam)
+    # no perturbation on the simplex does better
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        p = torch.softmax(s.log() + 0.05 * torch.randn(s.shape, generator=g), -1)
+        assert (_objective(p, f, r, lam) >= best - 1e-6).all()
+    # first-order optimality (KKT on the simplex): the gradient is the same in every coordinate
+    grad = (s.log() - f.log() + 1) + lam * (s.log() - r.log() + 1)
+    assert (grad.max(-1).values - grad.min(-1).values).max() < 1e-4
+    # a numeric optimiser (mirror descent on the simplex, no closed form) reaches the same point
+    num = torch.full((2, 40), 1 / 40, dtype=torch.float64)
+    fd, rd = f.double(), r.double()
+    for _ in range(300):
+        gd = (num.log() - fd.log()) + lam * (num.log() - rd.log())
+        num = num * torch.exp(-0.5 / (1 + lam) * gd)
+        num = num / num.sum(-1, keepdim=True)
+    num = num.float()
+    assert torch.allclose(_objective(num, f, r, lam), best, atol=1e-5)
+    assert (num - s).abs().max() < 2e-3
+
+
+def test_fusion_respects_candidates_and_linear_mixture():
+    f, r = _simplex(3, 16, seed=4), _simplex(3, 16, seed=5)
+    cand = torch.ones(3, 16, dtype=torch.bool)
+    cand[:, :4] = False
+    logs = sel.geometric_fusion(f, r, torch.tensor([[0.0], [0.5], [2.0]]), cand)
+    assert torch.isinf(logs[:, :4]).all() and torch.isfinite(logs[:, 4:]).all()
+    assert torch.allclose(logs.exp().sum(-1), torch.ones(3), atol=1e-5)
+    # lambda = 0: the evidence itself (renormalized over the candidates)
+    f0 = f[0, 4:] / f[0, 4:].sum()
+    assert torch.allclose(logs[0, 4:].exp(), f0, atol=1e-6)
+    lin = sel.linear_fusion(f, r, 0.25, torch.ones(3, 16, dtype=torch.bool)).exp()
+    assert torch.allclose(lin, 0.75 * f + 0.25 * r, atol=1e-6)
+
+
+def test_stability_lambda_is_the_clipped_minimiser_of_the_mixture_norm():
+    f, r = _simplex(6, 30, seed=6), _simplex(6, 30, seed=7)
+    f[0] = r[0]  # f == r: lambda 0
+    for clip in (0.5, 1.0, 10.0):
+        lam = sel.stability_lambda(f, r, clip).squeeze(-1)
+        grid = torch.linspace(0, clip, 20001, dtype=torch.float64)
+        for h in range(6):
+            if h == 0:
+                assert lam[0] == 0
+                continue
+            fh, rh = f[h].double(), r[h].double()
+            norms = (((1 - grid)[:, None] * fh + grid[:, None] * rh) ** 2).sum(-1)
+            assert abs(float(lam[h]) - float(grid[norms.argmin()])) <= clip / 20000 + 1e-4
+        num = (f * (f - r)).sum(-1) / ((f - r) ** 2).sum(-1)
+        assert torch.allclose(lam[1:], num[1:].clamp(0, clip), atol=1e-5)
+
+
+def test_power_mean_limits():
+    g = torch.Generator().manual_seed(8)
+    f = torch.rand(4, 5, 12, generator=g) + 0.01
+    geo = torch.exp(torch.log(f).mean(1))
+    assert torch.allclose(sel.power_mean(f, 0.0, 1), geo, rtol=1e-5)
+    assert torch.allclose(sel.power_mean(f.double(), 1e-4, 1), geo.double(), rtol=1e-3)
+    assert torch.allclose(sel.power_mean(f, 1.0, 1), f.mean(1), rtol=1e-5)
+    assert torch.allclose(sel.power_mean(f.double(), 60.0, 1), f.max(1).values.double(), rtol=4e-2)
+    half = sel.power_mean(f, 0.5, 1)
+    assert torch.allclose(half, (f.sqrt().mean(1)) ** 2, rtol=1e-5)
+    assert (half >= geo - 1e-6).all() and (half <= f.mean(1) + 1e-6).all()
+
+
+def test_evidence_is_a_power_mean_of_row_softmaxes_over_allowed_positions():
+    g = torch.Generator().manual_seed(9)
+    h, rows, s = 2, 6, 20
+    logits = torch.randn(h, rows, s, generator=g) * 3
+    allowed = torch.ones(h, rows, s, dtype=torch.bool)
+    allowed[:, -1, -3:] = False  # a row that may not see the newest positions (causal)
+    cand = torch.ones(h, s, dtype=torch.bool)
+    cand[:, :2] = False  # sinks
+    f = sel.evidence(logits, allowed, cand, alpha=0.5)
+    for hi in range(h):
+        acc = torch.zeros(s)
+        for ri in range(rows):
+            ok = allowed[hi, ri] & cand[hi]
+            p = torch.zeros(s)
+            p[ok] = torch.softmax(logits[hi, ri, ok], -1)
+            acc += p.sqrt() / rows
+        want = acc**2 / (acc**2).sum()
+        assert torch.allclose(f[hi], want, atol=1e-6)
+    assert (f[:, :2] == 0).all()
+
+
+def test_priors_favour_small_norm_keys_and_brake_the_tail():
+    norms = torch.tensor([[1.0, 2.0, 4.0, 0.5]])
+    cand = torch.ones(1, 4, dtype=torch.bool)
+    lk = sel.key_norm_prior(norms, cand, power=1.0)
+    mean = norms.mean()
+    assert torch.allclose(lk, -torch.log(norms / mean), atol=1e-6)
+    assert lk[0, 3] > lk[0, 0] > lk[0, 1] > lk[0, 2]
+    pos = torch.arange(100).view(1, -1)
+    lp = sel.position_prior(pos, now=100, decay=1.0, tail=10, brake=0.1)
+    d = 100 - pos.float()
+    want = -d / 100 + torch.log(0.1 + 0.9 * (d / 10).clamp(max=1))
+    assert torch.allclose(lp, want, atol=1e-6)
+    assert lp[0, 99] < lp[0, 95] < lp[0, 89]  # the newest are braked
+    assert lp[0, 0] < lp[0, 50] < lp[0, 89]  # global decay outside the tail
+    r = sel.prior([lk, lk * 0], cand)
+    assert torch.allclose(r.sum(-1), torch.ones(1))
+
+
+def _nms_direct(x: torch.Tensor, window: int, strength: float) -> torch.Tensor:
+    out = x.clone()
+    n = x.shape[-1]
+    for p in range(n):
+        lo, hi = max(0, p - window), min(n, p + window + 1)
+        m = lo + int(torch.argmax(x[lo:hi]))
+        if m != p:
+            out[p] = x[p] - strength * max(0.0, 1 - abs(p - m) / (window + 1))
+    return out
+
+
+def test_soft_nms_keeps_local_maxima_and_suppresses_their_neighbours():
+    x = torch.tensor([0.0, 1.0, 5.0, 1.0, 0.5, 0.2, 3.0, 0.1, -1.0])
+    y = sel.soft_nms(x.view(1, -1), window=2, strength=1.0)[0]
+    assert y[2] == 5.0 and y[6] == 3.0  # local maxima keep their score
+    assert torch.isclose(y[1], torch.tensor(1.0 - 2 / 3)) and torch.isclose(y[3], torch.tensor(1.0 - 2 / 3))
+    assert torch.isclose(y[4], torch.tensor(0.5 - 1 / 3))  # two away from the maximum: smaller penalty
+    assert torch.allclose(y, _nms_direct(x, 2, 1.0))
+    g = torch.Generator().manual_seed(10)
+    z = torch.randn(3, 50, generator=g)
+    z[1, :3] = float("-inf")
+    got = sel.soft_nms(z, window=3, strength=0.7)
+    assert torch.isinf(got[1, :3]).all()
+    for i in (0, 2):
+        assert torch.allclose(got[i], _nms_direct(z[i], 3, 0.7), atol=1e-6)
+    assert torch.equal(sel.soft_nms(z, 0, 0.7), z)
+
+
+def test_cross_head_exclusivity_lowers_a_shared_position_in_the_weaker_head():
+    logs = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.4, 0.1, 0.1, 0.4], [0.1, 0.1, 0.1, 0.7]]))
+    out = sel.cross_head_exclusivity(logs, strength=1.0, temperature=1.0)
+    assert out[0, 0] == logs[0, 0]  # head 0 is strongest at position 0
+    pen = logs - out
+    assert 0 < pen[1, 0] < pen[2, 0]  # the weaker the head at a shared position, the more it is lowered
+    assert out[2, 3] == logs[2, 3] and out[1, 3] < logs[1, 3]
+    # direct formula
+    w = torch.softmax(logs / 0.5, dim=0)
+    want = logs - 0.3 * (1 - w / w.max(0).values)
+    assert torch.allclose(sel.cross_head_exclusivity(logs, 0.3, 0.5), want, atol=1e-6)
+    assert (out <= logs + 1e-9).all() and (logs - out <= 1.0 + 1e-6).all()
+    # -inf (non-candidates) stay -inf; one head alone: unchanged
+    x = logs.clone()
+    x[:, 0] = float("-inf")
+    assert torch.isinf(sel.cross_head_exclusivity(x, 1.0)[:, 0]).all()
+    assert torch.equal(sel.cross_head_exclusivity(logs[:1], 1.0), logs[:1])
+
+
+def test_topk_per_head_returns_sorted_indices_of_the_best():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 64, generator=g)
+    idx = sel.topk_per_head(x, 10)
+    assert idx.shape == (3, 10)
+    assert (idx[:, 1:] > idx[:, :-1]).all()
+    for h in range(3):
+        assert set(idx[h].tolist()) == set(torch.argsort(x[h], descending=True)[:10].tolist())
+    assert not math.isnan(float(x.sum()))
