@@ -76,6 +76,12 @@ class KVCache:
         valid = torch.arange(s, device=self.device).unsqueeze(0) < self.lens[layer].unsqueeze(1)
         return self.k[layer, :, :, :s], self.v[layer, :, :, :s], valid
 
+    def read_rows(self, layer: int, slots: torch.Tensor, kv_heads: torch.Tensor,
+                  upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [N, upto, D] of only the (slot, kv_head) rows named by `slots[n], kv_heads[n]`:
+        a read that leaves every other row of the layer untouched (per-group read skipping)."""
+        return self.k[layer, slots, kv_heads, :upto], self.v[layer, slots, kv_heads, :upto]
+
     # -- eviction -------------------------------------------------------------------------
     def compact(self, layer: int, slot: int, keep: torch.Tensor) -> None:
         """Keep, for one (layer, slot), the entries `keep[kv_head, n]` (indices into the current
