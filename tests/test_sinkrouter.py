@@ -43,6 +43,10 @@ class RecordingCache(KVCache):
                 self.reads.add((layer, b, h))
         return super().view(layer, upto)
 
+    def read_row(self, layer, slot, kv_head, upto):
+        self.reads.add((layer, slot, kv_head))
+        return super().read_row(layer, slot, kv_head, upto)
+
     def read_rows(self, layer, slots, kv_heads, upto):
         for b, h in zip(slots.tolist(), kv_heads.tolist(), strict=True):
             self.reads.add((layer, b, h))
@@ -93,11 +97,16 @@ def test_fast_path_matches_reference_on_random_inputs():
             k, v, valid = batch.cache.view(layer)
             for sur in (None, torch.randn(b, HKV, D, generator=g)):
                 ref = sinkrouter_decode_reference(q, k, v, valid, skip, batch.scaling, sur)
-                fast = sinkrouter_decode(q, batch.cache, layer, skip, batch.scaling, sur)
-                torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+                for gather_min_rows in (1, 10**6):  # the gathered batch and the per-row views
+                    fast = sinkrouter_decode(q, batch.cache, layer, skip, batch.scaling, sur, gather_min_rows)
+                    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_sink_groups_output_zero_and_their_history_is_never_read():
+@pytest.mark.parametrize("gather_min_rows", [1, 10**6])
+def test_sink_groups_output_zero_and_their_history_is_never_read(monkeypatch, gather_min_rows):
+    from cotserve.policies import sinkrouter
+
+    monkeypatch.setattr(sinkrouter, "GATHER_MIN_ROWS", gather_min_rows)
     policy = fixed_tau_policy(0.0)
     batch = make_batch(policy, lens=(11, 7, 9), seed=3)
     g = torch.Generator().manual_seed(4)

@@ -82,6 +82,10 @@ class KVCache:
         a read that leaves every other row of the layer untouched (per-group read skipping)."""
         return self.k[layer, slots, kv_heads, :upto], self.v[layer, slots, kv_heads, :upto]
 
+    def read_row(self, layer: int, slot: int, kv_head: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [upto, D] of one (slot, kv_head) row, as views (no copy)."""
+        return self.k[layer, slot, kv_head, :upto], self.v[layer, slot, kv_head, :upto]
+
     # -- eviction -------------------------------------------------------------------------
     def compact(self, layer: int, slot: int, keep: torch.Tensor) -> None:
         """Keep, for one (layer, slot), the entries `keep[kv_head, n]` (indices into the current

@@ -217,11 +217,15 @@ def sinkrouter_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out.reshape(b, hq, 1, d)
 
 
+GATHER_MIN_ROWS = 16  # from this many rows to read, one gathered matmul beats a loop of views
+
+
 def sinkrouter_decode(q: torch.Tensor, cache: KVCache, layer: int, skip: torch.Tensor, scaling: float,
-                      surrogate: torch.Tensor | None = None) -> torch.Tensor:
-    """Fast path: only the (slot, group) rows with skip=False are gathered from the cache
-    (`cache.read_rows`) and attended; sink rows never touch the cache. Same result as
-    `sinkrouter_decode_reference` on the cache's view."""
+                      surrogate: torch.Tensor | None = None, gather_min_rows: int = GATHER_MIN_ROWS) -> torch.Tensor:
+    """Fast path: only the (slot, group) rows with skip=False are read from the cache and attended;
+    sink rows never touch the cache. Few rows: one attention per row on views of the cache
+    (`cache.read_row`, no copy); many rows: one batched attention over the rows gathered by
+    `cache.read_rows`. Same result as `sinkrouter_decode_reference` on the cache's view."""
     b, hq, _, d = q.shape
     hkv = skip.shape[1]
     g = hq // hkv
@@ -230,14 +234,22 @@ def sinkrouter_decode(q: torch.Tensor, cache: KVCache, layer: int, skip: torch.T
     else:
         out = surrogate[:, :, None, :].to(q.dtype).expand(b, hkv, g, d).clone()
     rows = (~skip).nonzero(as_tuple=False)
-    if rows.shape[0] == 0:
+    n = rows.shape[0]
+    if n == 0:
+        return out.view(b, hq, 1, d)
+    qg = q.reshape(b, hkv, g, d)
+    if n < gather_min_rows:
+        lens = cache.lens[layer].tolist()
+        for bi, gi in rows.tolist():
+            kr, vr = cache.read_row(layer, bi, gi, lens[bi])  # [S_b, D]
+            probs = torch.softmax((torch.matmul(qg[bi, gi], kr.transpose(0, 1)) * scaling).float(), dim=-1)
+            out[bi, gi] = torch.matmul(probs.to(vr.dtype), vr)
         return out.view(b, hq, 1, d)
     bi, gi = rows[:, 0], rows[:, 1]
     lens = cache.lens[layer, bi]
     s = int(lens.max())
     kr, vr = cache.read_rows(layer, bi, gi, s)  # [N, S, D]
-    qr = q.reshape(b, hkv, g, d)[bi, gi]  # [N, G, D]
-    scores = torch.matmul(qr, kr.transpose(-1, -2)) * scaling  # [N, G, S]
+    scores = torch.matmul(qg[bi, gi], kr.transpose(-1, -2)) * scaling  # [N, G, S]
     valid = torch.arange(s, device=q.device).unsqueeze(0) < lens.unsqueeze(1)  # [N, S]
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(vr.dtype)
@@ -365,7 +377,7 @@ class SinkRouterPolicy(Policy):
         if not bool(skip.any()):
             return None
         sur = self.anchor_v[layer] if self.cfg.surrogate == "anchor_value" else None
-        return sinkrouter_decode(q, batch.cache, layer, skip, batch.scaling, sur)
+        return sinkrouter_decode(q, batch.cache, layer, skip, batch.scaling, sur, GATHER_MIN_ROWS)
 
     def telemetry(self, slot: int) -> dict[str, Any]:
         if self.eligible is None:
