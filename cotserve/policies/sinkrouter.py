@@ -12,26 +12,28 @@ the Hq/Hkv query heads that share it, because a GQA group shares one KV read, de
 group, never per query head):
 
     z_{b,h}   = (q_{b,h} . k0_{b,g}) * scaling        h in group g   (RoPE already applied; the
-                                                                       anchor at position 0 has the
+                or cos(q_{b,h}, k0_{b,g})                             anchor at position 0 has the
                                                                        identity rotation)
-    s_{b,g}   = agg_{h in g} z_{b,h}                   agg from the calibration file (see SCORES)
-    p_{b,g}   = sigmoid(a_{l,g} s_{b,g} + b_{l,g})     optional per-(layer, group) Platt scaling
-                                                       (a, b fitted by calibration; see below)
-    sink(b,g) = s_{b,g} >= tau(L_b),  L_b = entries the slot's cache holds at this layer
+    s_{b,g}   = agg_{h in g} z_{b,h}                   agg in {min, mean, max} (see SCORES)
+    p_{b,g}   = sigmoid(a_{l,g} s_{b,g} + b_{l,g})     per-(layer, group) Platt scaling, when the
+                                                       calibration file has it (else p = s)
+    sink(b,g) = p_{b,g} >= tau(L_b),  L_b = entries the slot's cache holds at this layer
     o_{b,h}   = 0 for h in a sink group (the paper's zero surrogate; its history is not read)
               = softmax(q K^T * scaling) V over the cache, otherwise (normal attention).
 
-`z` is exactly the attention logit the model gives token 0, so a large `z` means token 0 dominates
-the softmax unless some other key scores as high; the default aggregation is the *minimum* over the
-group's query heads, because a group may only be skipped when every head in it is a sink head
-(the true regime, below, uses the same "all heads" rule). `cotserve calibrate sinkrouter` measures
-the AUPRC of every candidate in SCORES against the true regime and records the one it fits tau for;
-the runtime uses the file's choice. Raw anchor logits have very different scales per layer (mean
-z from -8.6 to +7.5 on SmolLM2-135M at 1024 tokens, with no relation to the sink mass across
-layers), so one global threshold on `s` ranks groups of different layers badly; the calibration
-therefore also fits, per (layer, group), a logistic map of `s` to P(sink | s) (Platt scaling) and the
-threshold is applied to that probability (`--no-platt` in calibration keeps the raw score, the
-paper's plain thresholding).
+Which alignment and aggregation: the logit `q.k0 * scaling` is exactly the attention logit the
+model gives token 0 (the signal the paper routes on: query against the position-0 key); the cosine
+removes the query norm. `min` over the group's heads matches a regime in which *every* head must
+be a sink head, `mean`/`max` are looser. `cotserve calibrate sinkrouter` measures the AUPRC of
+every candidate against the true regime and keeps the best (`--score auto`); the runtime uses the
+file's choice. On the bundled SmolLM2-135M the best raw score is `cos_mean`, but every raw score is
+barely above chance (AUPRC 0.08-0.10 at a sink rate of 0.087): raw anchor logits have very
+different scales per layer (mean z from -8.6 to +7.5 at 1024 tokens, unrelated to the layer's sink
+mass), so one global threshold ranks groups of different layers badly. The calibration therefore
+also fits, per (layer, group), a logistic map of `s` to P(sink | s) (Platt scaling), which lifts the
+AUPRC to 0.68 (0.66 held out), and the threshold is applied to that probability (`--no-platt` in
+calibration keeps the raw score under one global threshold, the paper's plain thresholding).
+Without a file (`tau=` given), the raw `score` option (default `logit_min`) is thresholded.
 
 True regime (what the score predicts, measured under dense decoding in calibration): a group is
 sink-dominant when the attention mass on token 0 is >= gamma (default 0.65) for *all* of its query
