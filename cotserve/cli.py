@@ -19,6 +19,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="cotserve: serving middleware for chain-of-thought reasoning models.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks with JSON output.")
 app.add_typer(bench_app, name="bench")
+calibrate_app = typer.Typer(no_args_is_help=True, help="Build calibration files for policies.")
+app.add_typer(calibrate_app, name="calibrate")
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Bundled name, transformers folder, or .gguf file.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")]
@@ -304,6 +306,49 @@ def eval_cmd(
     for line in summary_lines(results):
         typer.echo(line)
     typer.echo(f"wrote {os.path.join(out, 'report.md')}", err=True)
+
+
+@calibrate_app.command("sinkrouter")
+def calibrate_sinkrouter(
+    out: Annotated[str, typer.Option("--out", help="Calibration JSON to write.")],
+    model: ModelOpt = "smollm2-135m-instruct",
+    data_dir: Annotated[str | None, typer.Option(help="Dataset folder with math_train.jsonl ($COTSERVE_DATA_DIR).")] = None,
+    target_skip: Annotated[str, typer.Option(help="Target skip ratio(s), comma-separated; the first is the default.")] = "0.6",
+    lengths: Annotated[str, typer.Option(help="Prompt lengths (tokens), comma-separated.")] = "1024,2048,4096,6144",
+    steps: Annotated[int, typer.Option(help="Dense decode steps recorded per length.")] = 32,
+    prompts: Annotated[int, typer.Option(help="Prompts (one batch) per length.")] = 1,
+    gamma: Annotated[float, typer.Option(help="Sink regime: attention mass on token 0 >= gamma.")] = 0.65,
+    regime: Annotated[str, typer.Option(help="all: every query head of the group >= gamma; mean: their mean.")] = "all",
+    first_layers: Annotated[int, typer.Option(help="Layers never routed (excluded from the fit).")] = 2,
+    score: Annotated[str, typer.Option(help="Routing score, or auto (the best AUPRC).")] = "auto",
+    platt: Annotated[bool, typer.Option(help="Per-(layer, group) Platt scaling of the score before the threshold.")] = True,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Dense decoding on texts from DATA_DIR: AUPRC of the routing score for the sink regime, and
+    tau(L) fits (cubic in L / context window) that realise the target skip ratio(s)."""
+    try:
+        from cotserve.engine.native import NativeEngine
+        from cotserve.models import load_model
+        from cotserve.policies.sinkrouter_calibration import calibrate, check_args, write_calibration
+
+        try:
+            targets = [float(t) for t in target_skip.split(",") if t.strip()]
+            lens = [int(n) for n in lengths.split(",") if n.strip()]
+        except ValueError as exc:
+            fail(f"--target-skip / --lengths: {exc}")
+            return
+        check_args(targets, lens, regime, score, steps)
+        engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=max(1, prompts))
+        report, _ = calibrate(engine, lens, steps, prompts, targets, gamma=gamma, regime=regime,
+                              first_layers=first_layers, score=score, use_platt=platt, data_dir=data_dir,
+                              log=lambda m: typer.echo(m, err=True))
+        report["command"] = "cotserve calibrate sinkrouter " + " ".join(sys.argv[3:] if len(sys.argv) > 3 else [])
+        write_calibration(report, out)
+    except CotserveError as exc:
+        fail(str(exc))
+        return
+    _emit_json(report, None)
 
 
 def _emit_json(report: dict, path: str | None) -> None:

@@ -78,6 +78,16 @@ class KVCache:
         valid = torch.arange(s, device=self.device).unsqueeze(0) < self.lens[layer].unsqueeze(1)
         return self.k[layer, :, :, :s], self.v[layer, :, :, :s], valid
 
+    def read_rows(self, layer: int, slots: torch.Tensor, kv_heads: torch.Tensor,
+                  upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [N, upto, D] of only the (slot, kv_head) rows named by `slots[n], kv_heads[n]`:
+        a read that leaves every other row of the layer untouched (per-group read skipping)."""
+        return self.k[layer, slots, kv_heads, :upto], self.v[layer, slots, kv_heads, :upto]
+
+    def read_row(self, layer: int, slot: int, kv_head: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [upto, D] of one (slot, kv_head) row, as views (no copy)."""
+        return self.k[layer, slot, kv_head, :upto], self.v[layer, slot, kv_head, :upto]
+
     # -- eviction -------------------------------------------------------------------------
     def compact(self, layer: int, slot: int, keep: torch.Tensor) -> None:
         """Keep, for one (layer, slot), the entries `keep[kv_head, n]` (indices into the current

@@ -23,6 +23,7 @@ REGISTRY: dict[str, type[Policy]] = {}
 POLICY_MODULES = [
     "cotserve.policies.dense",
     "cotserve.policies.sfi",
+    "cotserve.policies.sinkrouter",
 ]
 
 
