@@ -24,6 +24,8 @@ POLICY_MODULES = [
     "cotserve.policies.dense",
     "cotserve.policies.sfi",
     "cotserve.policies.sinkrouter",
+    "cotserve.policies.rkv",
+    "cotserve.policies.skipkv",
 ]
 
 
