@@ -26,6 +26,10 @@ POLICY_MODULES = [
     "cotserve.policies.sinkrouter",
     "cotserve.policies.rkv",
     "cotserve.policies.skipkv",
+    "cotserve.policies.streamingllm",
+    "cotserve.policies.h2o",
+    "cotserve.policies.snapkv",
+    "cotserve.policies.quest",
 ]
 
 

@@ -1,0 +1,143 @@
+"""`h2o`: heavy hitters (accumulated attention) + a recent window.
+
+Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+Models" (arXiv 2306.14048), Sec. 4 and Algorithm 1: each cached key carries an accumulated score
+F_score = the sum of the attention probabilities it has received from every query so far; when the
+cache is over budget, the entry with the lowest score is evicted, except the most recent tokens
+(the paper splits the budget evenly between heavy hitters and recent tokens).
+
+Here, per KV head:
+* prefill computes causal attention itself (query chunks, `causal_prefill_with_colsums`) and starts
+  each key's score at the attention it got from the real prompt rows;
+* every decode step computes dense attention itself (`decode_probs`), adds each entry's
+  probability to its score, and returns the output (identical to dense attention);
+* GQA: a KV head's score adds the probabilities of the query heads of its group (`group_reduce=sum`,
+  the default; `max` takes the largest instead). Sum and mean rank identically.
+* eviction keeps the last `recent` entries (recent = budget * recent_ratio) plus the budget - recent
+  entries with the highest scores among the others; it runs when a slot holds budget + `every`
+  entries (`every=1`, the default, is Algorithm 1's one-out-per-step greedy eviction; a larger value
+  evicts `every` tokens at once by the same rule, fewer compactions). Scores move with their entries
+  through the compaction (`evict_to` followers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cotserve.policies.base import Axis, Policy, PolicyConfig
+from cotserve.policies.baseline_utils import (
+    EvictionStats,
+    attend,
+    causal_prefill_with_colsums,
+    decode_probs,
+    evict_to,
+    reduce_group,
+    refuse_overriding_parts,
+)
+from cotserve.policies.registry import register
+
+if TYPE_CHECKING:
+    from cotserve.engine.batch import BatchState
+
+
+@dataclass
+class H2OConfig(PolicyConfig):
+    """budget: entries kept per KV head. recent_ratio: share of the budget kept as the most recent
+    tokens (0.5 as in the paper's experiments); the rest are heavy hitters. every: evict when a slot
+    holds budget + every entries (1 = each step, the paper's form). group_reduce: how the query heads
+    of a GQA group add up into their KV head's score (sum | max)."""
+
+    budget: int = 1024
+    recent_ratio: float = 0.5
+    every: int = 1
+    group_reduce: str = "sum"
+
+    def validate(self) -> None:
+        if self.budget < 2:
+            raise ValueError("budget must be >= 2")
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise ValueError("recent_ratio must be in [0, 1]")
+        if self.every < 1:
+            raise ValueError("every must be >= 1")
+        if self.group_reduce not in ("sum", "max"):
+            raise ValueError("group_reduce must be sum or max")
+
+    @property
+    def recent(self) -> int:
+        return int(round(self.budget * self.recent_ratio))
+
+
+def h2o_keep(scores: torch.Tensor, length: int, budget: int, recent: int) -> torch.Tensor:
+    """Indices [kv_head, budget] kept out of `length` entries: the last `recent` plus the top
+    (budget - recent) of `scores[kv_head, :length - recent]`."""
+    heads = scores.shape[0]
+    recent = min(recent, budget)
+    tail = torch.arange(length - recent, length, device=scores.device).unsqueeze(0).expand(heads, -1)
+    heavy = scores[:, : length - recent].topk(budget - recent, dim=-1).indices
+    return torch.cat([heavy, tail], dim=-1)
+
+
+@register
+class H2OPolicy(Policy):
+    """Heavy-Hitter Oracle (Zhang et al. 2023): accumulated attention + recent, physical eviction."""
+
+    name = "h2o"
+    axis = Axis.EVICT
+    config_cls = H2OConfig
+
+    def __init__(self, config: H2OConfig | None = None):
+        super().__init__(config)
+        self.batch: BatchState | None = None
+        self.scores: torch.Tensor | None = None  # [layer, slot, kv_head, capacity] float32
+        self.stats = EvictionStats(0)
+        self._seen: set[int] = set()
+
+    def capacity(self, prompt_lens: list[int], max_new: int) -> int:
+        return max(max(prompt_lens), self.config.budget + self.config.every) + 1
+
+    def begin(self, batch: BatchState) -> None:
+        refuse_overriding_parts(self, batch, ("prefill_attention", "decode_attention"), answers=True)
+        self.batch = batch
+        s = batch.cache.shape
+        self.scores = torch.zeros(s.layers, s.slots, s.kv_heads, s.capacity, dtype=torch.float32,
+                                  device=batch.cache.device)
+        self.stats = EvictionStats(s.slots)
+
+    def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> torch.Tensor:
+        out, colsum = causal_prefill_with_colsums(q, k, v, batch.prompt_lens, batch.scaling)
+        t = k.shape[2]
+        self.scores[layer, :, :, :t] = reduce_group(colsum, k.shape[1], self.config.group_reduce)
+        self._seen.add(layer)
+        return out
+
+    def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
+        k, v, valid = batch.cache.view(layer)
+        probs = decode_probs(q, k, valid, batch.scaling)  # [B, Hkv, G, S]
+        s = k.shape[2]
+        gathered = probs.sum(2) if self.config.group_reduce == "sum" else probs.amax(2)
+        self.scores[layer, :, :, :s] += gathered
+        self._seen.add(layer)
+        return attend(probs, v)
+
+    def after_forward(self, batch: BatchState) -> None:
+        cfg: H2OConfig = self.config
+        cache = batch.cache
+        if len(self._seen) != cache.shape.layers:
+            raise RuntimeError("h2o did not see the attention of every layer")  # guarded in begin()
+        self._seen.clear()
+        trigger = cfg.budget + 1 if batch.mode == "prefill" else cfg.budget + cfg.every
+        for slot, length in enumerate(cache.lens[0].tolist()):
+            if length < trigger:
+                continue
+            dropped = 0
+            for layer in range(cache.shape.layers):
+                sc = self.scores[layer, slot]
+                keep = h2o_keep(sc, length, cfg.budget, cfg.recent)
+                dropped = evict_to(cache, layer, slot, keep, followers=[sc])
+            self.stats.record(slot, dropped)
+
+    def telemetry(self, slot: int) -> dict[str, Any]:
+        return self.stats.report(self.batch, slot)

@@ -1,0 +1,137 @@
+"""`snapkv`: observation-window voting at prefill, nothing evicted while decoding.
+
+Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation" (arXiv 2404.14469),
+Sec. 4.2, Eq. (1)-(2) and Listing 1: the last `window` prompt queries (the observation window)
+attend over the prompt; for each prefix key the attention is summed over the window's queries
+(Eq. 1, "voting"), smoothed by a 1-D pooling of size `kernel` (stride 1, "clustering"), and the top
+(budget - window) prefix keys per head (Eq. 2) plus the window itself are kept. Decoding then runs
+dense attention over the compressed prompt plus every generated token (no further eviction).
+
+Here, per slot and KV head:
+* the window's attention is the causal softmax of its queries over the slot's real prompt (the
+  window attends causally among itself, as in Listing 1), columns of the prefix only;
+* GQA: the window-summed scores of a group's query heads are averaged into their KV head
+  (`group_reduce=mean`; `max` takes the largest), then pooled;
+* pooling: `max` (default) or `avg` (zero padding counted, PyTorch's avg_pool1d default; the public
+  SnapKV code defaults to avg pooling, Listing 1 leaves the operator generic);
+* a prompt of at most `budget` tokens is kept whole. The scores are computed inside prefill (the
+  prompt attention output itself is the engine's causal default), the compaction after the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from cotserve.policies.base import Axis, Policy, PolicyConfig
+from cotserve.policies.baseline_utils import EvictionStats, evict_to, refuse_overriding_parts
+from cotserve.policies.registry import register
+
+if TYPE_CHECKING:
+    from cotserve.engine.batch import BatchState
+
+
+@dataclass
+class SnapKVConfig(PolicyConfig):
+    """budget: prompt entries kept per KV head (window included). window: observation window (last
+    prompt tokens, always kept). kernel: pooling size (odd). pooling: max | avg. group_reduce: how a GQA
+    group's query heads combine into their KV head's score (mean | max)."""
+
+    budget: int = 1024
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    group_reduce: str = "mean"
+
+    def validate(self) -> None:
+        if self.window < 1:
+            raise ValueError("window must be >= 1")
+        if self.budget <= self.window:
+            raise ValueError(f"budget ({self.budget}) must exceed window ({self.window})")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError("kernel must be a positive odd number")
+        if self.pooling not in ("max", "avg"):
+            raise ValueError("pooling must be max or avg")
+        if self.group_reduce not in ("mean", "max"):
+            raise ValueError("group_reduce must be mean or max")
+
+
+def snapkv_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int, kernel: int, pooling: str,
+                  group_reduce: str = "mean") -> torch.Tensor:
+    """Pooled observation-window scores of the prefix keys of ONE sequence: [Hkv, L - window].
+
+    q [Hq, L, D], k [Hkv, L, D]: the real prompt (no padding). Eq. (1) then the pooling of Listing 1."""
+    hq, length, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    qw = q[:, length - window :].reshape(hkv, g * window, d)
+    logits = torch.matmul(qw, k.transpose(-1, -2)).float() * scaling  # [Hkv, G*w, L]
+    rows = torch.arange(length - window, length, device=q.device).repeat(g)
+    causal = rows.unsqueeze(1) >= torch.arange(length, device=q.device).unsqueeze(0)
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    votes = probs[..., : length - window].reshape(hkv, g, window, -1).sum(2)  # Eq. (1): [Hkv, G, L-w]
+    votes = votes.mean(1) if group_reduce == "mean" else votes.amax(1)  # GQA group -> KV head
+    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+    return pool(votes.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+
+
+def snapkv_keep(pooled: torch.Tensor, length: int, budget: int, window: int) -> torch.Tensor:
+    """Indices [kv_head, budget]: top (budget - window) prefix keys by pooled score + the window."""
+    heads = pooled.shape[0]
+    top = pooled.topk(budget - window, dim=-1).indices
+    win = torch.arange(length - window, length, device=pooled.device).unsqueeze(0).expand(heads, -1)
+    return torch.cat([top, win], dim=-1)
+
+
+@register
+class SnapKVPolicy(Policy):
+    """SnapKV (Li et al. 2024): prompt compression once, after prefill."""
+
+    name = "snapkv"
+    axis = Axis.EVICT
+    config_cls = SnapKVConfig
+
+    def __init__(self, config: SnapKVConfig | None = None):
+        super().__init__(config)
+        self.batch: BatchState | None = None
+        self.stats = EvictionStats(0)
+        self._keep: dict[int, dict[int, torch.Tensor]] = {}  # layer -> slot -> keep [Hkv, budget]
+
+    def capacity(self, prompt_lens: list[int], max_new: int) -> int:
+        # the prompt is written whole, then shrinks to budget; decoding only appends
+        return max(max(prompt_lens), self.config.budget + max_new) + 1
+
+    def begin(self, batch: BatchState) -> None:
+        refuse_overriding_parts(self, batch, ("prefill_attention",), answers=False)
+        self.batch = batch
+        self.stats = EvictionStats(batch.batch_size)
+
+    def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> None:
+        cfg: SnapKVConfig = self.config
+        plan: dict[int, torch.Tensor] = {}
+        for slot, length in enumerate(batch.prompt_lens.tolist()):
+            if length <= cfg.budget:
+                continue
+            pooled = snapkv_scores(q[slot, :, :length], k[slot, :, :length], batch.scaling, cfg.window,
+                                   cfg.kernel, cfg.pooling, cfg.group_reduce)
+            plan[slot] = snapkv_keep(pooled, length, cfg.budget, cfg.window)
+        self._keep[layer] = plan
+        return None  # the prompt attention itself is the engine's causal default
+
+    def after_forward(self, batch: BatchState) -> None:
+        if batch.mode != "prefill":
+            return
+        if len(self._keep) != batch.cache.shape.layers:
+            raise RuntimeError("snapkv did not see the prompt queries of every layer")  # guarded in begin()
+        for layer, plan in self._keep.items():
+            for slot, keep in plan.items():
+                dropped = evict_to(batch.cache, layer, slot, keep)
+                if layer == 0:
+                    self.stats.record(slot, dropped)
+        self._keep.clear()
+
+    def telemetry(self, slot: int) -> dict[str, Any]:
+        return self.stats.report(self.batch, slot)

@@ -1,0 +1,108 @@
+"""`streamingllm`: attention sinks + a recent window; everything else is evicted.
+
+Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks" (arXiv 2309.17453),
+Sec. 3.2 and Fig. 4: the KV cache holds the first `sink` tokens (the attention sinks, 4 in the paper)
+and a rolling window of the `recent` latest tokens.
+
+Here: the prompt is prefilled with full causal attention, then the cache of every layer and KV head
+is physically compacted to sink + recent entries; during decoding a slot is compacted back to
+sink + recent as soon as it holds sink + recent + `every` entries (`every=1`, the default, is the
+paper's rolling cache: one token out per token in). So after any step a slot holds at most
+sink + recent + every - 1 entries, and a decode step attends over at most sink + recent + every.
+
+Deviation, stated: the paper re-assigns positions inside the cache (Sec. 3.2, "positions within the
+cache") so that text can stream past the pre-trained context; this engine keeps every entry's true
+position (RoPE applied once at write), as kvpress's StreamingLLM press does. For contexts inside the
+model's window (all of cotserve's benchmarks) the difference is the sinks' relative distance only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cotserve.policies.base import Axis, Policy, PolicyConfig
+from cotserve.policies.baseline_utils import EvictionStats, evict_to
+from cotserve.policies.registry import register
+
+if TYPE_CHECKING:
+    from cotserve.engine.batch import BatchState
+
+
+@dataclass
+class StreamingLLMConfig(PolicyConfig):
+    """budget: entries kept per KV head (sink + recent). sink: initial tokens always kept.
+    recent: window of latest tokens kept; 0 means budget - sink (a positive value overrides and
+    must satisfy sink + recent <= budget). every: compact when a slot holds budget + every entries
+    (1 = every step, the paper's rolling cache)."""
+
+    budget: int = 1024
+    sink: int = 4
+    recent: int = 0
+    every: int = 1
+
+    def validate(self) -> None:
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError("sink and recent must be >= 0")
+        if self.every < 1:
+            raise ValueError("every must be >= 1")
+        if self.recent == 0 and self.budget - self.sink < 1:
+            raise ValueError(f"budget ({self.budget}) must exceed sink ({self.sink})")
+        if self.recent > 0 and self.sink + self.recent > self.budget:
+            raise ValueError(f"sink + recent ({self.sink + self.recent}) exceeds budget ({self.budget})")
+
+    @property
+    def window(self) -> int:
+        return self.recent if self.recent > 0 else self.budget - self.sink
+
+    @property
+    def kept(self) -> int:
+        return self.sink + self.window
+
+
+def streaming_keep(length: int, sink: int, recent: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """Indices [kv_head, sink + recent] kept out of `length` ordered entries: the first `sink`
+    and the last `recent` (the same for every head: the rule does not look at the content)."""
+    idx = torch.cat([torch.arange(sink, device=device), torch.arange(length - recent, length, device=device)])
+    return idx.unsqueeze(0).expand(kv_heads, -1)
+
+
+@register
+class StreamingLLMPolicy(Policy):
+    """Sink + recent window (Xiao et al. 2023); physical eviction, nothing scored."""
+
+    name = "streamingllm"
+    axis = Axis.EVICT
+    config_cls = StreamingLLMConfig
+
+    def __init__(self, config: StreamingLLMConfig | None = None):
+        super().__init__(config)
+        self.batch: BatchState | None = None
+        self.stats = EvictionStats(0)
+
+    def capacity(self, prompt_lens: list[int], max_new: int) -> int:
+        return max(max(prompt_lens), self.config.kept + self.config.every) + 1
+
+    def begin(self, batch: BatchState) -> None:
+        self.batch = batch
+        self.stats = EvictionStats(batch.batch_size)
+
+    def after_forward(self, batch: BatchState) -> None:
+        cfg: StreamingLLMConfig = self.config
+        cache = batch.cache
+        # after prefill compact anything over budget; during decoding wait for `every` extra entries
+        trigger = cfg.kept + 1 if batch.mode == "prefill" else cfg.kept + cfg.every
+        lens = cache.lens[0].tolist()
+        for slot, length in enumerate(lens):
+            if length < trigger:
+                continue
+            keep = streaming_keep(length, cfg.sink, cfg.window, cache.shape.kv_heads, cache.device)
+            dropped = 0
+            for layer in range(cache.shape.layers):
+                dropped = evict_to(cache, layer, slot, keep)
+            self.stats.record(slot, dropped)
+
+    def telemetry(self, slot: int) -> dict[str, Any]:
+        return self.stats.report(self.batch, slot)
