@@ -22,6 +22,7 @@ REGISTRY: dict[str, type[Policy]] = {}
 # Modules that define policies; imported lazily so a missing optional piece breaks only itself.
 POLICY_MODULES = [
     "cotserve.policies.dense",
+    "cotserve.policies.steering",
 ]
 
 
