@@ -351,6 +351,41 @@ def calibrate_sinkrouter(
     _emit_json(report, None)
 
 
+@app.command("build-steering")
+def build_steering_cmd(
+    data: Annotated[str, typer.Option(help="JSONL file with a 'problem' field per line (e.g. math_train.jsonl).")],
+    layer: Annotated[int, typer.Option(help="Decoder layer whose input hidden state is read (0-based).")],
+    samples: Annotated[int, typer.Option(help="Problems to generate reasoning for.")],
+    out: Annotated[str, typer.Option(help="Output folder; writes OUT/<model-slug>/layer_<L>.safetensors and .json.")],
+    model: ModelOpt = "smollm2-135m-instruct",
+    max_tokens: Annotated[int, typer.Option(help="Maximum new tokens per problem (greedy).")] = 384,
+    batch: Annotated[int, typer.Option(help="Problems generated together.")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed of the permutation the problems are taken from.")] = 0,
+    prompt: Annotated[str | None, typer.Option(help="Prompt template with {problem} (default: reason step by step).")] = None,
+    rules: Annotated[str | None, typer.Option(help="YAML/JSON file {reflection: [regex], transition: [regex]} (default: built-in rules).")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Build a SEAL steering vector offline: mean(reflection+transition) - mean(execution) hidden
+    states entering LAYER at thought boundaries of greedy reasoning traces. Resumable."""
+    try:
+        from cotserve.build_steering import DEFAULT_PROMPT, BuildConfig, build_steering, load_rules
+
+        cfg = BuildConfig(model=model, data=data, layer=layer, samples=samples, out=out, max_tokens=max_tokens,
+                          batch=batch, seed=seed, prompt=prompt or DEFAULT_PROMPT, device=device, dtype=dtype,
+                          rules=load_rules(rules))
+        command = "cotserve " + " ".join(sys.argv[1:])
+        manifest = build_steering(cfg, command=command, progress=progress)
+    except CotserveError as exc:
+        fail(str(exc))
+        return
+    from cotserve.policies.steering import vector_path
+
+    path = vector_path(out, manifest["model_slug"], layer)
+    typer.echo(f"wrote {path} and {path.with_suffix('.json').name} (counts: {manifest['counts']})")
+
+
 def _emit_json(report: dict, path: str | None) -> None:
     import json
 

@@ -30,6 +30,7 @@ POLICY_MODULES = [
     "cotserve.policies.h2o",
     "cotserve.policies.snapkv",
     "cotserve.policies.quest",
+    "cotserve.policies.steering",
 ]
 
 

@@ -35,6 +35,9 @@ REFLECTION_RULES: tuple[str, ...] = (
     r"\bre-?consider\b",
     r"\bhold on\b",
     r"\bhmm+\b",
+    r"\blet'?s (?:re-?)?check\b",
+    r"\blet us (?:re-?)?check\b",
+    r"\bcheck(?:ing)? (?:our|my|the|your) (?:work|answer|result|solution|calculation)s?\b",
 )
 
 TRANSITION_RULES: tuple[str, ...] = (
@@ -116,3 +119,70 @@ class ThoughtTracker:
         cls = classify_thought(text, self.rules)
         self.counts[cls] += 1
         return cls
+
+
+class BlankLineTracker(ThoughtTracker):
+    """Thoughts split at blank-line ("\\n\\n"-type) boundaries, on token ids (SEAL's segmentation).
+
+    SEAL (Chen et al. 2025, Sec. 3) and SkipKV's steering (arXiv 2512.07993, Sec. 4.2) cut a chain
+    of thought into thoughts at "\\n\\n". Tokenizers spell a blank line as one token ("\\n\\n",
+    ".\\n\\n") or as a run of newline tokens ("\\n", "\\n"). A *boundary token* is the delimiter
+    token at which the current run of delimiter tokens first holds two newlines: exactly one per
+    blank line, decided causally (without looking ahead), so the same position is found at build
+    time (over a finished trace) and at decode time (one token at a time). A single newline inside
+    a thought stays part of it.
+
+    `push(token_id)` returns the class of the thought this token closes (at a boundary with a
+    non-empty thought), else None; `at_boundary` tells whether the last pushed token was a boundary.
+    `flush()` classifies the unfinished trailing thought (None when empty) without counting it."""
+
+    def __init__(self, tokenizer, delimiter_ids: frozenset[int], rules: ThoughtRules = DEFAULT_RULES):
+        super().__init__(tokenizer, delimiter_ids, rules)
+        self.newlines = {i: tokenizer.decode([i]).count("\n") for i in delimiter_ids}
+        self.run = 0  # newlines in the current run of delimiter tokens (0: not in a run)
+        self.at_boundary = False
+
+    def push(self, token_id: int) -> str | None:
+        self.at_boundary = False
+        if token_id not in self.delims:
+            self.run = 0
+            self.current.append(token_id)
+            return None
+        before = self.run
+        self.run += self.newlines.get(token_id, 0)
+        if not (before < 2 <= self.run):
+            self.current.append(token_id)  # a single newline, or the tail of a run already cut
+            return None
+        self.at_boundary = True
+        text = self.tok.decode(self.current, skip_special_tokens=True)
+        self.current = []
+        if not text.strip():
+            return None
+        cls = classify_thought(text, self.rules)
+        self.counts[cls] += 1
+        return cls
+
+    def flush(self) -> str | None:
+        text = self.tok.decode(self.current, skip_special_tokens=True)
+        return classify_thought(text, self.rules) if text.strip() else None
+
+
+def blank_line_thoughts(token_ids: list[int], tokenizer, delimiter_ids: frozenset[int],
+                        rules: ThoughtRules = DEFAULT_RULES) -> list[tuple[int, str]]:
+    """(boundary index, class of the thought that FOLLOWS it) for a finished trace.
+
+    The boundary token is the one SEAL reads its hidden state at (the "\\n\\n" before a thought);
+    boundaries followed by an empty thought are left out. The last thought runs to the end of
+    the trace (it may be cut by a token limit)."""
+    tracker = BlankLineTracker(tokenizer, delimiter_ids, rules)
+    bounds: list[int] = []
+    following: list[str | None] = []
+    for i, t in enumerate(token_ids):
+        cls = tracker.push(t)
+        if tracker.at_boundary:
+            if bounds:
+                following.append(cls)
+            bounds.append(i)
+    if bounds:
+        following.append(tracker.flush())
+    return [(b, c) for b, c in zip(bounds, following, strict=True) if c is not None]
