@@ -314,3 +314,12 @@ def test_serve_refuses_public_bind_without_key():
 def test_worker_reports_unreachable_redis():
     r = _cli("worker", "--redis-url", "redis://127.0.0.1:1/0")
     assert r.returncode == 2 and r.stderr.startswith("error: cannot reach Redis at redis://127.0.0.1:1/0")
+
+
+def test_bench_serve_against_the_server(server):
+    from cotserve.bench.serve import run_serve_bench
+
+    rep = run_serve_bench(server.url, concurrency=2, requests=4, stream=True, max_tokens=3)
+    assert rep["ok"] == 4 and rep["errors"] == 0 and rep["model"] == MODEL
+    assert 4 <= rep["completion_tokens"] <= 12  # 4 requests, at most 3 tokens each (usage chunks)
+    assert set(rep["latency_s"]) == {"p50", "p95", "p99", "mean"} and rep["ttft_s"]["p50"] <= rep["latency_s"]["p99"]

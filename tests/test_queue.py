@@ -174,3 +174,15 @@ def test_finished_jobs_expire_in_redis():
         assert q.r.scard(q.k("claimed", "w")) == 0
     finally:
         q.drop_all()
+
+
+def test_bench_percentile_matches_numpy():
+    import numpy as np
+
+    from cotserve.bench.serve import percentile
+
+    rng = random.Random(3)
+    for n in (1, 2, 7, 100):
+        xs = [rng.random() * 10 for _ in range(n)]
+        for q in (50, 95, 99):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
