@@ -69,3 +69,9 @@ def test_parse_options_file_and_pairs(tmp_path):
     assert opts == {"k": "32", "sfi.recent": 128}
     with pytest.raises(PolicyError):
         parse_options(["novalue"])
+
+
+def test_stack_runs_eviction_before_reading():
+    stack = build_policy("sfi+skipkv")
+    assert [p.axis for p in stack.parts] == ["evict", "read"]
+    assert stack.name == "skipkv+sfi"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cotserve.errors import PolicyError
-from cotserve.policies.base import Policy, PolicyConfig, PolicyStack
+from cotserve.policies.base import Axis, Policy, PolicyConfig, PolicyStack
 
 REGISTRY: dict[str, type[Policy]] = {}
 
@@ -129,6 +129,10 @@ def build_policy(spec: str | None, options: dict[str, Any] | None = None) -> Pol
             per_part[c.name][key] = value
     parts = [cls(make_config(cls, per_part[cls.name])) for cls in classes]
     parts = [p for p in parts if p.name != "dense"]
+    # Hooks run evict -> read -> steer whatever the spec's order: an eviction policy records the
+    # step's queries in decode_attention (returning None) before the read policy answers.
+    order = {Axis.EVICT: 0, Axis.READ: 1, Axis.STEER: 2}
+    parts.sort(key=lambda p: order.get(p.axis, 1))
     return PolicyStack(parts)
 
 
