@@ -193,6 +193,7 @@ def err(r, status):
      "messages[0].content[0].type"),
     ({"cotserve": {"policy": "no-such-policy"}}, "cotserve.policy"),
     ({"cotserve": {"policy": "dense", "options": {"k": 3}}}, "cotserve.options"),
+    ({"cotserve": {"policy": "sinkrouter", "options": {"calibration": "/etc/passwd"}}}, "cotserve.options"),
     ({"cotserve": {"polcy": "dense"}}, "cotserve.polcy"),
     ({"model": None}, "model"),
     ({"seed": 2**70}, "seed"),

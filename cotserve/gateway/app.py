@@ -31,7 +31,7 @@ from cotserve.gateway.schemas import (
     ModelCard,
     ModelList,
 )
-from cotserve.policies.registry import build_policy
+from cotserve.policies.registry import build_policy, server_only_keys
 from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable
 
 CHAT_PATH = "/v1/chat/completions"
@@ -203,6 +203,11 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         if body.cotserve is not None:
             if body.cotserve.policy is not None:
                 policy, options = body.cotserve.policy, {}
+            forbidden = server_only_keys(body.cotserve.options)
+            if forbidden:
+                raise APIError(400, f"option(s) {', '.join(forbidden)} name server files and can only be set "
+                               "by the server (serve --policy-opt / --policy-file)",
+                               param="cotserve.options", code="invalid_policy")
             options.update(body.cotserve.options)
             try:
                 build_policy(policy)

@@ -19,6 +19,15 @@ from cotserve.policies.base import Axis, Policy, PolicyConfig, PolicyStack
 
 REGISTRY: dict[str, type[Policy]] = {}
 
+# Options that name files on the server: settable with `serve --policy-opt` / `--policy-file`,
+# refused in a request's `cotserve.options` (a client must not point the server at its files).
+SERVER_ONLY_OPTIONS = frozenset({"calibration", "vector"})
+
+
+def server_only_keys(options: dict[str, Any]) -> list[str]:
+    """The keys of `options` (plain or `policy.key`) that only the server may set."""
+    return sorted(k for k in options if k.rpartition(".")[2] in SERVER_ONLY_OPTIONS)
+
 # Modules that define policies; imported lazily so a missing optional piece breaks only itself.
 POLICY_MODULES = [
     "cotserve.policies.dense",
