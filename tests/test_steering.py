@@ -261,3 +261,21 @@ def test_alpha_zero_gives_the_same_tokens_as_no_steering(engine, random_vector):
     first = reference_boundaries(dense.token_ids, engine.tokenizer)[0][0]
     assert strong.token_ids[: first + 1] == dense.token_ids[: first + 1]  # nothing changes before it
     assert strong.token_ids != dense.token_ids  # a strong push does change the text after it
+
+
+def test_shipped_vector_is_found_and_fits_the_bundled_model(engine):
+    import json
+
+    from cotserve.policies.steering import check_vector, shipped_dir
+
+    sv = resolve_vector(SteeringConfig(), engine.info.model_name)
+    assert sv.path.parent == shipped_dir() / "smollm2-135m-instruct"
+    check_vector(sv, sv.layer, engine.info.hidden_size, engine.info.num_layers, engine.info.model_name)
+    manifest = json.loads(sv.path.with_suffix(".json").read_text())
+    assert manifest["layer"] == sv.layer and manifest["counts"]["non_execution"] > 0
+    assert manifest["command"].startswith("cotserve build-steering")
+    assert manifest["vector_sha256"] == __import__("hashlib").sha256(sv.vector.numpy().tobytes()).hexdigest()
+    # the default stack steers with it
+    req = GenRequest(engine.encode_prompt("Hi"), SamplingParams(max_tokens=2))
+    (res,) = engine.generate([req], "steering")
+    assert res.telemetry["steering_applications"] == 0 and "steering_alpha_mean" in res.telemetry
