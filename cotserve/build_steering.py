@@ -15,8 +15,9 @@ used by SkipKV's adaptive steering (arXiv 2512.07993, Sec. 4.2):
    SEAL's H_RT). See `policies/steering.py` for the sign convention at decode time.
 
 Output: `OUT/<model-slug>/layer_<L>.safetensors` (tensor `steering_vector` [hidden_size], with
-model, layer, hidden_size and num_layers in its metadata; byte-identical for identical inputs)
-and `OUT/<model-slug>/layer_<L>.json` (the manifest).
+model, layer, hidden_size and num_layers in its metadata)
+and `OUT/<model-slug>/layer_<L>.json` (the manifest). The tensor is identical for identical inputs
+(the file's metadata order is not fixed by safetensors, so compare tensors, not bytes).
 
 Resumable: each finished sample is written to `OUT/<model-slug>/layer_<L>.partial/` (one small
 safetensors file per sample: its boundary hidden states, their classes and the generated token
@@ -309,7 +310,7 @@ def build_steering(cfg: BuildConfig, command: str = "", progress: bool = True, l
         "num_layers": info.num_layers,
         "vector_file": target.name,
         "vector_norm": round(float(vector.norm()), 6),
-        "vector_sha256": sha256_file(target),
+        "vector_sha256": hashlib.sha256(vector.numpy().tobytes()).hexdigest(),  # of the float32 data
         "sign_convention": SIGN_CONVENTION,
         "counts": {**counts, "non_execution": len(non_exec)},
         "samples": cfg.samples,

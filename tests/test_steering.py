@@ -261,3 +261,27 @@ def test_alpha_zero_gives_the_same_tokens_as_no_steering(engine, random_vector):
     first = reference_boundaries(dense.token_ids, engine.tokenizer)[0][0]
     assert strong.token_ids[: first + 1] == dense.token_ids[: first + 1]  # nothing changes before it
     assert strong.token_ids != dense.token_ids  # a strong push does change the text after it
+
+
+def test_shipped_vector_for_the_bundled_model(engine):
+    """A shipped vector must fit the bundled model; without one, the default stack refuses with a
+    message naming the build command (none is shipped yet: see README, Steering)."""
+    import json
+
+    from cotserve.policies.steering import check_vector, shipped_dir
+
+    folder = shipped_dir() / "smollm2-135m-instruct"
+    req = GenRequest(engine.encode_prompt("Hi"), SamplingParams(max_tokens=2))
+    if not list(folder.glob("layer_*.safetensors")):
+        with pytest.raises(PolicyError, match="no steering vector shipped for model 'smollm2-135m-instruct'.*cotserve build-steering"):
+            engine.generate([req], "steering")
+        (res,) = engine.generate([req], "steering", {"enabled": False})  # off needs no vector
+        assert res.telemetry["steering_applications"] == 0
+        return
+    sv = resolve_vector(SteeringConfig(), engine.info.model_name)
+    check_vector(sv, sv.layer, engine.info.hidden_size, engine.info.num_layers, engine.info.model_name)
+    manifest = json.loads(sv.path.with_suffix(".json").read_text())
+    assert manifest["layer"] == sv.layer and manifest["counts"]["non_execution"] > 0
+    assert manifest["vector_sha256"] == __import__("hashlib").sha256(sv.vector.numpy().tobytes()).hexdigest()
+    (res,) = engine.generate([req], "steering")
+    assert "steering_alpha_mean" in res.telemetry
