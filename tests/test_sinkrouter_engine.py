@@ -131,7 +131,7 @@ def test_composes_with_an_eviction_policy(engine, small_cal):
         _run(engine, PolicyStack([alone]), prompt)
     finally:
         REGISTRY.pop(_DropHeadEviction.name)
-    router = stack.parts[0]
+    router = next(p for p in stack.parts if p.name == "sinkrouter")
     torch.testing.assert_close(router.anchor_k, alone.anchor_k)  # kept although token 0 was evicted
     assert _DropHeadEviction.dropped_anchor
     assert res.completion_tokens == STEPS and res.telemetry["sinkrouter_eligible_groups"] > 0

@@ -203,10 +203,10 @@ def test_padding_and_evicted_entries_stay_masked(engine):
     plain, stack = run([])
     poisoned, _ = run([_Poison()])
     for a, b in zip(plain, poisoned, strict=True):
-        assert a.telemetry["compactions"] >= 3
+        assert a.telemetry["compactions"] >= 2  # the short prompt reaches the budget later
         assert torch.equal(a.logprobs, b.logprobs)
     cache = stack.parts[0].batch.cache
-    for slot, p in enumerate(prompts):
+    for slot, p in enumerate(sorted(prompts, key=len)):  # generate() batches by prompt length
         total = len(p) + len(forced) - 1
         for layer in range(cache.shape.layers):
             n = int(cache.lens[layer, slot])

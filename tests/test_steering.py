@@ -31,8 +31,8 @@ from cotserve.policies.thoughts import (
 LAYER = 5
 TRACE = (
     "First, 3 * 4 = 12.\n\nWait, let me check: 3 * 4 = 12.\nYes.\n\n\nAlternatively, add 4 three times: "
-    "4 + 4 + 4 = 12.\n\nSo the answer is 12.\n\nThe final answer is $\\boxed{12}$.\n\n"
-)
+    "4 + 4 + 4 = 12.\n\nSo the answer is 12.\n\nThe final answer is $\\boxed{12}$.\n\nDone."
+)  # ends after its last blank line: the last token is sampled, never forwarded, so none is steered
 
 
 @pytest.fixture(scope="module")
