@@ -19,7 +19,7 @@ import torch
 from cotserve.engine.batch import BatchState, ModelInfo
 from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.engine.sampling import SamplingParams, sample_next
-from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
+from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher, encode_chat
 from cotserve.errors import RequestError
 from cotserve.models import LoadedModel
 from cotserve.policies.base import PolicyStack
@@ -141,13 +141,7 @@ class NativeEngine:
 
     # -- prompt helpers -------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(out, "keys"):
-                out = out["input_ids"]
-            return list(out)
-        text = "\n".join(m["content"] for m in messages)
-        return self.tokenizer.encode(text)
+        return encode_chat(self.tokenizer, messages)
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         if chat:

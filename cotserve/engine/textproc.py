@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt token ids for chat messages: the tokenizer's chat template with the generation
+    prompt added, or the contents joined by newlines when the model has no template."""
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+    return tokenizer.encode("\n".join(m["content"] for m in messages))
+
+
 class IncrementalDetokenizer:
     """Streams text for a growing list of token ids.
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from cotserve import __version__
-from cotserve.engine.textproc import ReasoningStream, split_reasoning
+from cotserve.engine.textproc import ReasoningStream, encode_chat, split_reasoning
 from cotserve.errors import CotserveError
 from cotserve.gateway import errors
 from cotserve.gateway.auth import check_key
@@ -55,12 +55,7 @@ class PromptBuilder:
         return cls(AutoTokenizer.from_pretrained(str(path)), getattr(cfg, "max_position_embeddings", 1 << 20))
 
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(out, "keys"):
-                out = out["input_ids"]
-            return list(out)
-        return self.tokenizer.encode("\n".join(m["content"] for m in messages))
+        return encode_chat(self.tokenizer, messages)
 
 
 @dataclass
