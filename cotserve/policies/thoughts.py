@@ -112,6 +112,11 @@ class ThoughtTracker:
         if token_id not in self.delims:
             self.current.append(token_id)
             return None
+        return self._close()
+
+
+    def _close(self) -> str | None:
+        """End the current thought: classify and count it (None when it is empty)."""
         text = self.tok.decode(self.current, skip_special_tokens=True)
         self.current = []
         if not text.strip():
@@ -154,13 +159,7 @@ class BlankLineTracker(ThoughtTracker):
             self.current.append(token_id)  # a single newline, or the tail of a run already cut
             return None
         self.at_boundary = True
-        text = self.tok.decode(self.current, skip_special_tokens=True)
-        self.current = []
-        if not text.strip():
-            return None
-        cls = classify_thought(text, self.rules)
-        self.counts[cls] += 1
-        return cls
+        return self._close()
 
     def flush(self) -> str | None:
         text = self.tok.decode(self.current, skip_special_tokens=True)
