@@ -3,8 +3,10 @@
 SEAL (Chen et al. 2025, "SEAL: Steerable reasoning calibration of LLMs for free", Sec. 4.1), as
 used by SkipKV's adaptive steering (arXiv 2512.07993, Sec. 4.2):
 
-1. generate reasoning (greedy, the native engine) for N training problems with a prompt that
-   asks the model to reason step by step;
+1. generate reasoning (the native engine; greedy by default, or sampled with `temperature` /
+   `top_p` and a per-sample seed derived from `seed`, so a sample's text does not depend on
+   which run produced it) for N training problems with a prompt that asks the model to reason
+   step by step;
 2. cut each generated trace into thoughts at blank-line ("\\n\\n"-type) boundaries
    (`thoughts.BlankLineTracker`) and classify each thought as reflection, transition or
    execution (`thoughts.classify_thought`, the rules are recorded in the manifest);
@@ -76,6 +78,8 @@ class BuildConfig:
     batch: int = 8
     seed: int = 0
     prompt: str = DEFAULT_PROMPT
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
     device: str = "auto"
     dtype: str = "auto"
     rules: ThoughtRules = field(default_factory=lambda: DEFAULT_RULES)
@@ -106,6 +110,23 @@ class BoundaryRecorder(ThoughtFollower):
                 index = len(batch.tokens[i]) - self.prompt_lens[i] - 1
                 self.records[self.keys[i]].append((index, hidden[i, -1].detach().float().cpu().clone()))
         return hidden
+
+
+def sample_params(cfg: BuildConfig, index: int):
+    """Decoding settings of one problem: greedy, or sampled with a seed of its own (derived from
+    --seed and the problem's index in the data file)."""
+    from cotserve.engine.sampling import SamplingParams
+
+    if cfg.temperature == 0.0:
+        return SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
+    return SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                          seed=cfg.seed * 1_000_003 + index)
+
+
+def decoding_label(cfg: BuildConfig) -> str:
+    if cfg.temperature == 0.0:
+        return "greedy"
+    return f"sampled (temperature {cfg.temperature}, top_p {cfg.top_p}, seed {cfg.seed} * 1000003 + problem index)"
 
 
 def sha256_file(path: Path) -> str:
@@ -147,6 +168,7 @@ def _settings(cfg: BuildConfig, data_sha: str, model_path: str) -> dict[str, Any
     """Everything a sample's record depends on; a partial folder is reused only when equal."""
     return {"model": cfg.model, "model_path": Path(model_path).name, "layer": cfg.layer,
             "max_tokens": cfg.max_tokens, "batch": cfg.batch, "seed": cfg.seed, "prompt": cfg.prompt,
+            "temperature": cfg.temperature, "top_p": cfg.top_p,
             "data_sha256": data_sha, "rules": cfg.rules.as_dict(), "device": cfg.device, "dtype": cfg.dtype}
 
 
@@ -210,7 +232,6 @@ def build_steering(cfg: BuildConfig, command: str = "", progress: bool = True, l
     from tqdm import tqdm
 
     from cotserve.engine.native import GenRequest, NativeEngine
-    from cotserve.engine.sampling import SamplingParams
     from cotserve.models import load_model, model_slug
     from cotserve.policies.base import PolicyStack
 
@@ -220,6 +241,10 @@ def build_steering(cfg: BuildConfig, command: str = "", progress: bool = True, l
         raise CotserveError(f"--max-tokens must be at least 1, got {cfg.max_tokens}")
     if cfg.batch < 1:
         raise CotserveError(f"--batch must be at least 1, got {cfg.batch}")
+    if cfg.temperature < 0:
+        raise CotserveError(f"--temperature must be >= 0, got {cfg.temperature}")
+    if not 0 < cfg.top_p <= 1:
+        raise CotserveError(f"--top-p must be in (0, 1], got {cfg.top_p}")
     if "{problem}" not in cfg.prompt:
         raise CotserveError("--prompt must contain {problem}")
     data = Path(cfg.data).expanduser()
@@ -255,12 +280,12 @@ def build_steering(cfg: BuildConfig, command: str = "", progress: bool = True, l
     todo = [i for i in chosen if not (partial / f"sample_{i}.safetensors").is_file()]
     bar = tqdm(total=len(chosen), initial=len(chosen) - len(todo), desc=f"build-steering layer {cfg.layer}",
                unit="sample", disable=not progress, mininterval=2.0)
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
     delims = None
     seen = {EXECUTION: 0, REFLECTION: 0, TRANSITION: 0}  # classes of the samples generated in this run
     for start in range(0, len(todo), cfg.batch):
         group = todo[start : start + cfg.batch]
-        reqs = [GenRequest(engine.encode_prompt(cfg.prompt.format(problem=problems[i])), params, extras={"sample": i})
+        reqs = [GenRequest(engine.encode_prompt(cfg.prompt.format(problem=problems[i])), sample_params(cfg, i),
+                           extras={"sample": i})
                 for i in group]
         recorder = BoundaryRecorder(cfg.layer)
         results = engine.generate(reqs, PolicyStack([recorder]))
@@ -318,7 +343,7 @@ def build_steering(cfg: BuildConfig, command: str = "", progress: bool = True, l
         "seed": cfg.seed,
         "max_tokens": cfg.max_tokens,
         "batch": cfg.batch,
-        "decoding": "greedy",
+        "decoding": decoding_label(cfg),
         "prompt": cfg.prompt,
         "data_file": data.name,
         "data_sha256": data_sha,

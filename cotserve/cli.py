@@ -358,9 +358,11 @@ def build_steering_cmd(
     samples: Annotated[int, typer.Option(help="Problems to generate reasoning for.")],
     out: Annotated[str, typer.Option(help="Output folder; writes OUT/<model-slug>/layer_<L>.safetensors and .json.")],
     model: ModelOpt = "smollm2-135m-instruct",
-    max_tokens: Annotated[int, typer.Option(help="Maximum new tokens per problem (greedy).")] = 384,
+    max_tokens: Annotated[int, typer.Option(help="Maximum new tokens per problem.")] = 384,
     batch: Annotated[int, typer.Option(help="Problems generated together.")] = 8,
-    seed: Annotated[int, typer.Option(help="Seed of the permutation the problems are taken from.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the problem permutation (and of sampling, per problem).")] = 0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (with --temperature > 0).")] = 1.0,
     prompt: Annotated[str | None, typer.Option(help="Prompt template with {problem} (default: reason step by step).")] = None,
     rules: Annotated[str | None, typer.Option(help="YAML/JSON file {reflection: [regex], transition: [regex]} (default: built-in rules).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -368,13 +370,13 @@ def build_steering_cmd(
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Build a SEAL steering vector offline: mean(reflection+transition) - mean(execution) hidden
-    states entering LAYER at thought boundaries of greedy reasoning traces. Resumable."""
+    states entering LAYER at thought boundaries of generated reasoning traces. Resumable."""
     try:
         from cotserve.build_steering import DEFAULT_PROMPT, BuildConfig, build_steering, load_rules
 
         cfg = BuildConfig(model=model, data=data, layer=layer, samples=samples, out=out, max_tokens=max_tokens,
                           batch=batch, seed=seed, prompt=prompt or DEFAULT_PROMPT, device=device, dtype=dtype,
-                          rules=load_rules(rules))
+                          rules=load_rules(rules), temperature=temperature, top_p=top_p)
         command = "cotserve " + " ".join(sys.argv[1:])
         manifest = build_steering(cfg, command=command, progress=progress)
     except CotserveError as exc:

@@ -44,7 +44,7 @@ def test_fast_attention_equals_reference_over_the_same_positions():
     ar = torch.arange(lo, hi)
     wmask = ((ar >= wstart[:, None]) & (ar < lens[:, None])).unsqueeze(1)
     cmask = (cpos >= 0) & (cpos < wstart.view(-1, 1, 1))
-    out = fast_attention(q, ck, cv, cmask, kc[:, :, lo:hi], vc[:, :, lo:hi], wmask, 0.25)
+    out = fast_attention(q, ck.transpose(-1, -2).contiguous(), cv, cmask, kc[:, :, lo:hi], vc[:, :, lo:hi], wmask, 0.25)
     read = torch.zeros(b, hkv, s, dtype=torch.bool)
     for bi in range(b):
         for h in range(hkv):
@@ -53,7 +53,7 @@ def test_fast_attention_equals_reference_over_the_same_positions():
     ref = fast_attention_reference(q, kc, vc, read, 0.25)
     assert torch.allclose(out, ref, atol=1e-5)
     # a position both selected and recent is read once: reading it twice would change the output
-    twice = fast_attention(q, ck, cv, cpos >= 0, kc[:, :, lo:hi], vc[:, :, lo:hi], wmask, 0.25)
+    twice = fast_attention(q, ck.transpose(-1, -2).contiguous(), cv, cpos >= 0, kc[:, :, lo:hi], vc[:, :, lo:hi], wmask, 0.25)
     assert not torch.allclose(twice, ref, atol=1e-4)
 
 

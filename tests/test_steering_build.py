@@ -123,6 +123,37 @@ def test_resume_reuses_finished_samples(first_build, loaded, data_dir, tmp_path)
         build_steering(other, progress=False, loaded=loaded)
 
 
+def test_sampled_build_is_seeded_and_recorded(first_build, loaded, data_dir, tmp_path):
+    """--temperature > 0: each problem is sampled with a seed of its own, so the same settings
+    give the same traces; sampling is on (not the greedy traces); the settings and manifest say how."""
+
+    def sampled(out, seed):
+        c = cfg(data_dir, out)
+        c.temperature, c.top_p, c.seed = 0.9, 0.95, seed
+        c.rules = ThoughtRules(reflection=(r"\b(?:will|is)\b",), transition=())
+        try:
+            build_steering(c, progress=False, loaded=loaded)
+        except CotserveError as exc:  # a class may be empty in 40 sampled tokens: samples are kept
+            assert "thoughts in 2 samples" in str(exc)
+        part = out / MODEL / "layer_7.partial"
+        return {f.name: load_file(str(f))["token_ids"].tolist() for f in sorted(part.glob("sample_*.safetensors"))}
+
+    a, b = sampled(tmp_path / "a", 0), sampled(tmp_path / "b", 0)
+    assert a == b and len(a) == 2
+    greedy = {f.name: load_file(str(f))["token_ids"].tolist()
+              for f in (first_build[0] / MODEL / "layer_7.partial").glob("sample_*.safetensors")}
+    assert a != greedy  # sampling is on
+    settings = json.loads((tmp_path / "a" / MODEL / "layer_7.partial" / "settings.json").read_text())
+    assert settings["temperature"] == 0.9 and settings["top_p"] == 0.95
+    manifest_file = tmp_path / "a" / MODEL / "layer_7.json"
+    if manifest_file.exists():
+        assert json.loads(manifest_file.read_text())["decoding"].startswith("sampled (temperature 0.9")
+    c = cfg(data_dir, tmp_path / "c")
+    c.temperature = -1.0
+    with pytest.raises(CotserveError, match="--temperature must be >= 0"):
+        build_steering(c, progress=False, loaded=loaded)
+
+
 def test_bad_inputs(loaded, data_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "x"}\n')

@@ -36,6 +36,9 @@ class KVCache:
         self.device = device
         self.checked = True  # False inside a CUDA graph (no host syncs there; capacity is planned)
         self._slots = torch.arange(shape.slots, device=device)
+        # compactions[layer][slot]: how often `compact` rewrote that row (caches of per-entry
+        # derived values, e.g. SFI's key norms, are valid only while this is unchanged)
+        self.compactions = [[0] * shape.slots for _ in range(shape.layers)]
 
     @property
     def capacity(self) -> int:
@@ -105,3 +108,4 @@ class KVCache:
         self.pos[layer, slot, :, :n] = torch.gather(self.pos[layer, slot, :, :cur], 1, keep)
         self.pos[layer, slot, :, n:cur] = -1
         self.lens[layer, slot] = n
+        self.compactions[layer][slot] += 1

@@ -16,24 +16,25 @@ from __future__ import annotations
 import torch
 
 
-def fast_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, cmask: torch.Tensor, wk: torch.Tensor,
+def fast_attention(q: torch.Tensor, ckt: torch.Tensor, cv: torch.Tensor, cmask: torch.Tensor, wk: torch.Tensor,
                    wv: torch.Tensor, wmask: torch.Tensor, scaling: float) -> torch.Tensor:
     """One decode token's attention over compact buffer + recent window, one softmax.
 
-    q [B, Hq, 1, D]; ck/cv [B, Hkv, C, D] compact sink+selected; cmask bool [B, Hkv, C] (read);
+    q [B, Hq, 1, D]; ckt [B, Hkv, D, C] compact sink+selected keys, stored transposed (q.K^T is
+    then a plain matmul); cv [B, Hkv, C, D] their values; cmask bool [B, Hkv, C] (read);
     wk/wv [B, Hkv, W, D] recent-window slice of the cache; wmask bool [B, 1 or Hkv, W].
     Returns [B, Hq, 1, D]."""
     b, hq, _, d = q.shape
-    hkv = ck.shape[1]
+    hkv = ckt.shape[1]
     g = hq // hkv
     qg = q.view(b, hkv, g, d)
-    sc = torch.matmul(qg, ck.transpose(-1, -2))  # [B, Hkv, G, C]
+    sc = torch.matmul(qg, ckt)  # [B, Hkv, G, C]
     sw = torch.matmul(qg, wk.transpose(-1, -2))  # [B, Hkv, G, W]
     sc = sc.masked_fill_(~cmask.unsqueeze(2), float("-inf"))
     sw = sw.masked_fill_(~wmask.unsqueeze(2), float("-inf"))
     s = torch.cat([sc, sw], dim=-1).mul_(scaling)
     p = torch.softmax(s.float(), dim=-1).to(cv.dtype)
-    c = ck.shape[2]
+    c = ckt.shape[-1]
     out = torch.matmul(p[..., :c], cv)
     out = out.add_(torch.matmul(p[..., c:], wv))
     return out.view(b, hq, 1, d)

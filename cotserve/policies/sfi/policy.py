@@ -5,14 +5,17 @@ State per sequence (slot), layer and KV head:
 * sinks: the first `sinks` cache entries, always read;
 * recent window: the last `recent` entries, read in place from the main cache (nothing copied);
 * selected set: `k` entries per KV head (capped by what exists), chosen by the selector
-  (`cotserve.policies.selector`) and packed, together with the sinks, into a preallocated
-  contiguous compact buffer `ck/cv [layer, slot, kv_head, sinks + k, dim]` once per refresh.
+  (`cotserve.policies.selector`) and packed, together with the sinks, into preallocated
+  contiguous compact buffers once per refresh: keys transposed `ckt [layer, slot, kv_head, dim,
+  sinks + k]`, values `cv [layer, slot, kv_head, sinks + k, dim]`.
 
 Bootstrap: after prefill, each layer selects from the evidence of the last `obs_window` prompt
 queries. Fast step: one softmax over compact buffer + recent window (`attention.fast_attention`),
 batched over slots and heads. Slow step (per slot, when its `RefreshTrigger` fires): dense
 attention over the whole history for that slot, whose logits for the last `obs_window` decode
-queries (kept in a small ring buffer per layer) feed the selector; then re-select and re-pack.
+queries (kept in a small ring buffer per layer) feed the selector's evidence step; after the last
+layer, the rest of the selector runs for all layers of the slot at once (the same problem per
+layer, batched), then the compact buffers are re-packed. The bootstrap takes the same path.
 
 Telemetry per response: `sfi_slow_step_ratio` (slow steps / decode steps) and
 `sfi_retained_ratio` (entries read / entries in context, averaged over layers, KV heads and
@@ -37,6 +40,12 @@ if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
+def candidates(cfg: SFIConfig, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Bool mask (broadcast view, no memory) of the selectable entries: everything after the sinks."""
+    s = shape[-1]
+    return (torch.arange(s, device=device) >= cfg.sinks).expand(shape)
+
+
 def select_positions(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor,
                      key_norms: torch.Tensor, now: int) -> torch.Tensor:
     """The whole SFI selector for one (sequence, layer): cache indices to keep per KV head.
@@ -44,14 +53,27 @@ def select_positions(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor
     logits [H, R, S] (R = GQA group x observation rows), allowed bool [H, R, S] (causal per row;
     None: already applied to `logits` as -inf), positions [H, S] true positions of the entries,
     key_norms [H, S]. Candidates are the entries after the sinks. Returns long
-    [H, min(k, S - sinks)] sorted ascending."""
-    h, _, s = logits.shape
-    idx = torch.arange(s, device=logits.device)
-    cand = (idx >= cfg.sinks).unsqueeze(0).expand(h, s)
+    [H, min(k, S - sinks)] sorted ascending. `evidence_of` then `select_from_evidence`."""
+    return select_from_evidence(cfg, evidence_of(cfg, logits, allowed), positions, key_norms, now)
+
+
+def evidence_of(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Selector step 1, the evidence f (`selector.evidence`): logits [..., H, R, S] -> [..., H, S]."""
+    cand = candidates(cfg, logits.shape[:-2] + logits.shape[-1:], logits.device)
+    return sel.evidence(logits, allowed, cand, cfg.alpha)
+
+
+def select_from_evidence(cfg: SFIConfig, f: torch.Tensor, positions: torch.Tensor, key_norms: torch.Tensor,
+                         now: int) -> torch.Tensor:
+    """Selector steps 2-5 on the evidence f [..., H, S]: prior, fusion, soft-NMS, cross-head
+    exclusivity, top-K per KV head. Any leading dims (e.g. the layers of one sequence, selected
+    together after a slow step) are independent problems. Returns long [..., H, min(k, S - sinks)]
+    sorted ascending."""
+    s = f.shape[-1]
     k_eff = min(cfg.k, s - cfg.sinks)
     if k_eff <= 0:
-        return torch.empty(h, 0, dtype=torch.long, device=logits.device)
-    f = sel.evidence(logits, allowed, cand, cfg.alpha)
+        return torch.empty(*f.shape[:-1], 0, dtype=torch.long, device=f.device)
+    cand = candidates(cfg, f.shape, f.device)
     factors = [sel.position_prior(positions, now, cfg.decay, cfg.tail_len, cfg.brake)]
     if cfg.norm_power != 0.0:
         factors.append(sel.key_norm_prior(key_norms, cand, cfg.norm_power))
@@ -97,8 +119,10 @@ class SFIPolicy(Policy):
         dev, dt = cache.device, cache.k.dtype
         self.hq = batch.info.num_heads
         self.C = cfg.sinks + min(cfg.k, shape.capacity)
-        self.ck = torch.zeros(L, B, H, self.C, D, dtype=dt, device=dev)
-        self.cv = torch.zeros_like(self.ck)
+        # compact buffer: keys stored transposed ([D, C] per head: q.K^T is then a plain matmul,
+        # about twice as fast on CPU as one over a transposed view), values [C, D]
+        self.ckt = torch.zeros(L, B, H, D, self.C, dtype=dt, device=dev)
+        self.cv = torch.zeros(L, B, H, self.C, D, dtype=dt, device=dev)
         self.cpos = torch.full((L, B, H, self.C), -1, dtype=torch.long, device=dev)
         w = cfg.obs_window
         self.ring = torch.zeros(L, B, self.hq, w, D, dtype=dt, device=dev)
@@ -106,6 +130,7 @@ class SFIPolicy(Policy):
         self.ring_ptr = [0] * B
         self.knorm = torch.zeros(L, B, H, shape.capacity, dtype=torch.float32, device=dev)
         self.knorm_upto = [[0] * B for _ in range(L)]
+        self.knorm_epoch = [[0] * B for _ in range(L)]
         tok = batch.info.tokenizer
         self.boundaries = sentence_end_ids(tok) if tok is not None else frozenset()
         self.triggers = [RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period)
@@ -118,36 +143,75 @@ class SFIPolicy(Policy):
         self.k_eff = [0] * B
         self.read_acc = torch.zeros(B, H, dtype=torch.long, device=dev)
         self.slow_slots: list[int] = []
+        # evidence of the current forward's refreshing slots: slot -> per layer (f [H, n], now)
+        self.evidence: dict[int, list[tuple[torch.Tensor, int] | None]] = {}
 
     # -- selection and packing -------------------------------------------------------------
-    def _refresh(self, layer: int, b: int, logits: torch.Tensor, row_pos: list[int], n: int,
-                 batch: BatchState) -> None:
-        """Run the selector on one slot's logits [H, G, R, n] and re-pack its compact buffer."""
-        cfg, cache = self.config, batch.cache
+    def _stash_evidence(self, layer: int, b: int, logits: torch.Tensor, row_pos: list[int], n: int,
+                        batch: BatchState) -> None:
+        """Selector step 1 for one (slot, layer) while its logits [H, G, R, n] are at hand; steps
+        2-5 and the re-pack run for all layers at once after the last layer (`_select_slot`).
+        Deferring is exact: in the step that computes it, a layer's new selection is never read
+        (the slot takes a slow, dense step there)."""
         h, g, r, _ = logits.shape
-        pos = cache.pos[layer, b, :, :n]  # [H, n]
-        rp = torch.tensor(row_pos, device=pos.device)
-        mask_rows_inplace(logits, pos, rp, cfg.sinks)
-        upto = self.knorm_upto[layer][b]
-        if upto < n:
-            self.knorm[layer, b, :, upto:n] = cache.k[layer, b, :, upto:n].float().norm(dim=-1)
-            self.knorm_upto[layer][b] = n
-        idx = select_positions(cfg, logits.reshape(h, g * r, n), None, pos, self.knorm[layer, b, :, :n],
-                               now=max(row_pos))
-        kk, vv = cache.k[layer, b, :, :n], cache.v[layer, b, :, :n]
-        self.cpos[layer, b].fill_(-1)
-        ns = min(cfg.sinks, n)
-        self.ck[layer, b, :, :ns] = kk[:, :ns]
-        self.cv[layer, b, :, :ns] = vv[:, :ns]
-        self.cpos[layer, b, :, :ns] = pos[:, :ns]
-        ke = idx.shape[1]
-        if ke:
-            hi = torch.arange(kk.shape[0], device=idx.device).unsqueeze(1)
-            s0 = cfg.sinks
-            self.ck[layer, b, :, s0 : s0 + ke] = kk[hi, idx]  # row copies (faster than gather on CPU)
-            self.cv[layer, b, :, s0 : s0 + ke] = vv[hi, idx]
-            self.cpos[layer, b, :, s0 : s0 + ke] = torch.gather(pos, 1, idx)
-        self.k_eff[b] = ke
+        pos = batch.cache.pos[layer, b, :, :n]  # [H, n]
+        mask_rows_inplace(logits, pos, torch.tensor(row_pos, device=pos.device), self.config.sinks)
+        f = evidence_of(self.config, logits.reshape(h, g * r, n), None)
+        self.evidence.setdefault(b, [None] * self.n_layers)[layer] = (f, max(row_pos))
+
+    def _key_norms(self, li: torch.Tensor | slice, layers: list[int], b: int, n: int, cache) -> torch.Tensor:
+        """||k|| of the first n entries of slot b in `layers` [l, H, n], computed once per entry
+        (incrementally) and recomputed after the cache compacts the row."""
+        batched: dict[int, list[int]] = {}
+        for layer in layers:
+            if self.knorm_epoch[layer][b] != cache.compactions[layer][b]:
+                self.knorm_upto[layer][b] = 0
+                self.knorm_epoch[layer][b] = cache.compactions[layer][b]
+            upto = self.knorm_upto[layer][b]
+            if n - upto > 64:  # many rows (bootstrap, after a compaction): per layer, on views
+                self.knorm[layer, b, :, upto:n] = cache.k[layer, b, :, upto:n].float().norm(dim=-1)
+            elif upto < n:  # the few rows written since the last refresh: all layers in one op
+                batched.setdefault(upto, []).append(layer)
+            self.knorm_upto[layer][b] = max(upto, n)
+        for upto, ls in batched.items():
+            lt = torch.tensor(ls, device=cache.device)
+            self.knorm[lt, b, :, upto:n] = cache.k[lt, b, :, upto:n].float().norm(dim=-1)
+        return self.knorm[li, b, :, :n]
+
+    def _select_slot(self, b: int, batch: BatchState) -> None:
+        """Selector steps 2-5 and the re-pack of slot b's compact buffers, batched over the layers
+        (grouped by entry count, equal unless an eviction policy compacted layers differently)."""
+        cfg, cache = self.config, batch.cache
+        per_layer = self.evidence.pop(b)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for layer, item in enumerate(per_layer):
+            if item is not None:
+                groups.setdefault((item[0].shape[-1], item[1]), []).append(layer)
+        for (n, now), layers in groups.items():
+            f = torch.stack([per_layer[layer][0] for layer in layers])  # [l, H, n]
+            # all layers (the usual case): views; otherwise copies of the chosen layers
+            li = slice(None) if len(layers) == self.n_layers else torch.tensor(layers, device=cache.device)
+            pos = cache.pos[li, b, :, :n]  # [l, H, n]
+            idx = select_from_evidence(cfg, f, pos, self._key_norms(li, layers, b, n, cache), now)
+            self._pack(layers, b, n, idx, pos, cache)
+            self.k_eff[b] = idx.shape[-1]
+
+    def _pack(self, layers: list[int], b: int, n: int, idx: torch.Tensor, pos: torch.Tensor, cache) -> None:
+        """Write sinks + selected entries (idx [l, H, ke]) of slot b into the compact buffers,
+        copying only those rows out of the cache (row copies per (layer, head): on CPU several
+        times faster than one advanced-index gather over all of them)."""
+        ns = min(self.config.sinks, n)
+        keys = torch.cat([torch.arange(ns, device=idx.device).expand(*idx.shape[:-1], ns), idx], dim=-1)
+        m = keys.shape[-1]
+        h = keys.shape[1]
+        kbuf = torch.empty(h, m, cache.k.shape[-1], dtype=cache.k.dtype, device=cache.k.device)
+        for i, layer in enumerate(layers):
+            self.cpos[layer, b] = -1
+            self.cpos[layer, b, :, :m] = torch.gather(pos[i], 1, keys[i])
+            for j in range(h):
+                torch.index_select(cache.k[layer, b, j], 0, keys[i, j], out=kbuf[j])
+                torch.index_select(cache.v[layer, b, j], 0, keys[i, j], out=self.cv[layer, b, j, :m])
+            self.ckt[layer, b, :, :, :m] = kbuf.transpose(-1, -2)
 
     # -- prefill: dense causal attention + bootstrap selection ------------------------------
     def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> torch.Tensor:
@@ -167,12 +231,16 @@ class SFIPolicy(Policy):
             g = self.hq // hkv
             logits = torch.matmul(qrows.reshape(hkv, g * w, -1), kk.transpose(-1, -2)).float()
             logits = logits.mul_(batch.scaling).view(hkv, g, w, n)
-            self._refresh(layer, b, logits, row_pos, n, batch)
+            self._stash_evidence(layer, b, logits, row_pos, n, batch)
+        if layer == self.n_layers - 1:
+            for b in list(self.evidence):
+                self._select_slot(b, batch)
         return out
 
     # -- decode ----------------------------------------------------------------------------
     def _plan(self, batch: BatchState) -> None:
-        """Once per decode step (at layer 0): slow/fast per slot, ring slots, window masks."""
+        """Once per decode step (at layer 0): slow/fast per slot, ring slots, window masks, and
+        which compact entries each layer reads (those older than the recent window)."""
         cfg = self.config
         t = batch.step
         active = batch.active.tolist() if batch.active is not None else [True] * len(self.triggers)
@@ -200,9 +268,14 @@ class SFIPolicy(Policy):
         ar = torch.arange(self.lo, self.hi, device=dev)
         ws = torch.tensor(self.wstart, device=dev).view(-1, 1)
         self.wmask = ((ar >= ws) & (ar < torch.tensor(self.lens, device=dev).view(-1, 1))).unsqueeze(1)
-        self.wstart_t = ws.view(-1).clamp(max=batch.cache.capacity - 1)
+        wstart_t = ws.view(-1).clamp(max=batch.cache.capacity - 1)
         self.any_fast = len(self.slow_slots) < sum(bool(a) for a in active) or not self.slow_slots
-        self.read_acc.zero_()
+        if r > 0:  # position where each (layer, slot, head)'s window starts: [L, B, H]
+            wpos = batch.cache.pos[:, self.bidx, :, wstart_t].permute(1, 0, 2)
+            self.cmask = (self.cpos >= 0) & (self.cpos < wpos.unsqueeze(-1))
+        else:
+            self.cmask = self.cpos >= 0
+        self.read_acc = self.cmask.sum(dim=(0, -1))  # [B, H] compact entries read over all layers
 
     def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
         if layer == 0:
@@ -220,21 +293,18 @@ class SFIPolicy(Policy):
             qrows = self.ring[layer, b, :, rows]
             o, logits = slow_attention(qrows, cur, cache.k[layer, b, :, :n], cache.v[layer, b, :, :n], batch.scaling)
             out[b] = o
-            self._refresh(layer, b, logits, [self.ring_pos[b][i] for i in rows], n, batch)
+            self._stash_evidence(layer, b, logits, [self.ring_pos[b][i] for i in rows], n, batch)
+        if layer == self.n_layers - 1:
+            for b in list(self.evidence):
+                self._select_slot(b, batch)
         return out
 
     def _fast(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
         cache = batch.cache
-        cpos = self.cpos[layer]
-        if self.config.recent > 0:
-            wpos = cache.pos[layer, self.bidx, :, self.wstart_t]  # [B, H] position where the window starts
-            cmask = (cpos >= 0) & (cpos < wpos.unsqueeze(-1))
-        else:
-            cmask = cpos >= 0
-        self.read_acc.add_(cmask.sum(-1))
         wk = cache.k[layer, :, :, self.lo : self.hi]
         wv = cache.v[layer, :, :, self.lo : self.hi]
-        return fast_attention(q, self.ck[layer], self.cv[layer], cmask, wk, wv, self.wmask, batch.scaling)
+        return fast_attention(q, self.ckt[layer], self.cv[layer], self.cmask[layer], wk, wv, self.wmask,
+                              batch.scaling)
 
     def after_forward(self, batch: BatchState) -> None:
         if batch.mode != "decode":
