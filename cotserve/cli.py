@@ -121,7 +121,7 @@ def bench_decode(
 def bench_fidelity(
     policy: Annotated[str, typer.Option(help="Comma-separated policies to compare with dense.")] = "dense",
     context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 4096,
-    steps: Annotated[int, typer.Option(help="Decode steps compared (teacher-forced on dense's tokens).")] = 256,
+    steps: Annotated[int, typer.Option(help="Decode steps compared (teacher-forced).")] = 256,
     batch: Annotated[int, typer.Option(help="Prompts (sequences) compared.")] = 1,
     policy_opt: PolicyOptOpt = None,
     policy_file: PolicyFileOpt = None,
@@ -130,15 +130,17 @@ def bench_fidelity(
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    forced: Annotated[str, typer.Option(help="Tokens fed at each step: 'text' (the text's true next tokens) "
+                                        "or 'greedy' (dense's own greedy continuation).")] = "text",
 ) -> None:
-    """Top-1 agreement and KL of policies against dense decoding, teacher-forced on dense's tokens."""
+    """Top-1 agreement and KL of policies against dense decoding, teacher-forced on the same tokens."""
     try:
         from cotserve.bench.fidelity import run_fidelity_bench
 
         report = run_fidelity_bench(
             policies=[p.strip() for p in policy.split(",") if p.strip()], context=context, steps=steps,
             batch=batch, policy_opt=policy_opt, policy_file=policy_file, model=model, data_dir=data_dir,
-            device=device, dtype=dtype,
+            device=device, dtype=dtype, forced_mode=forced,
         )
     except CotserveError as exc:
         fail(str(exc))

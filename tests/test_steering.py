@@ -265,7 +265,7 @@ def test_alpha_zero_gives_the_same_tokens_as_no_steering(engine, random_vector):
 
 def test_shipped_vector_for_the_bundled_model(engine):
     """A shipped vector must fit the bundled model; without one, the default stack refuses with a
-    message naming the build command (none is shipped yet: see README, Steering)."""
+    message naming the build command."""
     import json
 
     from cotserve.policies.steering import check_vector, shipped_dir

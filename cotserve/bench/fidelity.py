@@ -1,8 +1,11 @@
 """`cotserve bench fidelity`: how closely a policy follows dense decoding.
 
-Dense greedy decoding produces `steps` reference tokens from each long prompt. Each policy then
-decodes the same prompts under teacher forcing (the reference tokens are fed back, so both see the
-same history) and we compare, at every step, the policy's next-token distribution with dense's:
+Each sequence is a long text built deterministically from MATH training problems and solutions
+(`bench.prompts.long_prompts`, `context + steps` tokens): the first `context` tokens are the
+prompt, and the `steps` decode steps are teacher-forced with the text's true next tokens, for dense
+and for each policy alike (so both see the same history). At every step we compare the policy's
+next-token distribution with dense's. `forced="greedy"` instead feeds dense's own greedy
+continuation of the `context`-token prompt (an easier test: text the model itself finds likely).
 
 * top-1 agreement: fraction of steps where the policy's argmax equals dense's;
 * mean KL(dense || policy) of the next-token distributions (nats);
@@ -18,6 +21,7 @@ import torch
 from cotserve.bench.decode import _options_for
 from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
+from cotserve.errors import CotserveError
 from cotserve.models import load_model
 from cotserve.policies.registry import build_policy, parse_options
 
@@ -46,16 +50,23 @@ def compare(reference: list, results: list) -> dict[str, Any]:
 
 def run_fidelity_bench(policies: list[str], context: int, steps: int, batch: int, policy_opt: list[str] | None,
                        policy_file: str | None, model: str, data_dir: str | None, device: str,
-                       dtype: str) -> dict[str, Any]:
+                       dtype: str, forced_mode: str = "text") -> dict[str, Any]:
     from cotserve.bench.prompts import long_prompts
 
     options = parse_options(policy_opt, policy_file)
     for p in policies:
         build_policy(p, _options_for(p, options))
     engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=batch)
-    prompts = long_prompts(engine.tokenizer, context, batch, data_dir)
-    reference = _run(engine, prompts, steps, "dense", {}, None)
-    forced = [r.token_ids for r in reference]
+    if forced_mode not in ("text", "greedy"):
+        raise CotserveError(f"--forced must be 'text' or 'greedy' (got {forced_mode!r})")
+    texts = long_prompts(engine.tokenizer, context + steps, batch, data_dir)
+    prompts = [t[:context] for t in texts]
+    if forced_mode == "text":
+        forced = [t[context:] for t in texts]  # the true continuation of each text
+        reference = _run(engine, prompts, steps, "dense", {}, forced)
+    else:
+        reference = _run(engine, prompts, steps, "dense", {}, None)
+        forced = [r.token_ids for r in reference]
     rows = []
     for p in policies:
         opts = _options_for(p, options)
@@ -70,4 +81,5 @@ def run_fidelity_bench(policies: list[str], context: int, steps: int, batch: int
         rows.append(row)
     return {"bench": "fidelity", "model": model, "device": str(engine.device),
             "dtype": str(engine.dtype).replace("torch.", ""), "context": context, "steps": steps, "batch": batch,
+            "forced": forced_mode,
             "policy_options": options, "torch": torch.__version__, "results": rows}

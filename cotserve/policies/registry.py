@@ -40,6 +40,7 @@ POLICY_MODULES = [
     "cotserve.policies.snapkv",
     "cotserve.policies.quest",
     "cotserve.policies.steering",
+    "cotserve.policies.oracle",
 ]
 
 
