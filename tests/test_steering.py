@@ -285,3 +285,24 @@ def test_shipped_vector_for_the_bundled_model(engine):
     assert manifest["vector_sha256"] == __import__("hashlib").sha256(sv.vector.numpy().tobytes()).hexdigest()
     (res,) = engine.generate([req], "steering")
     assert "steering_alpha_mean" in res.telemetry
+
+
+def test_steering_composes_with_sfi_and_skipkv_in_one_request(engine, tok, random_vector):
+    """`skipkv+sfi+steering`: all three parts act in one request (teacher-forced on a trace with
+    blank lines; small budgets so SkipKV evicts and SFI selects), and with alpha 0 the stack makes
+    the same predictions as `skipkv+sfi`."""
+    path, _ = random_vector
+    ids = tok.encode(TRACE)
+    opts = {"skipkv.budget": 32, "skipkv.interval": 4, "sfi.k": 8, "sfi.recent": 8, "steering.vector": str(path)}
+    plain = {k: v for k, v in opts.items() if not k.startswith("steering")}
+    (base,) = engine.generate([forced(engine, ids)], "skipkv+sfi", plain)
+    (zero,) = engine.generate([forced(engine, ids)], "skipkv+sfi+steering", {**opts, "steering.alpha0": 0,
+                                                                            "steering.gamma": 0})
+    (strong,) = engine.generate([forced(engine, ids)], "skipkv+sfi+steering", {**opts, "steering.alpha0": 40})
+    t = strong.telemetry
+    assert t["policy"] == "skipkv+sfi+steering"
+    assert t["evicted_tokens"] > 0 and t["sfi_steps"] > 0 and t["sfi_retained_ratio"] < 1.0
+    assert t["steering_applications"] == 5 and t["steering_non_execution"] == 2
+    assert zero.telemetry["steering_applications"] == 5
+    assert zero.greedy_ids == base.greedy_ids
+    assert strong.greedy_ids != base.greedy_ids
