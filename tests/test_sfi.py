@@ -195,3 +195,27 @@ def test_options_parse_through_the_registry(tmp_path):
     for bad in (["trigger=sometimes"], ["k=0"], ["fusion=max"], ["k=lots"], ["nosuch=1"], ["brake=0"]):
         with pytest.raises(PolicyError):
             build_policy("sfi", parse_options(bad))
+
+
+def test_cached_key_norms_follow_a_compaction():
+    """SFI caches ||k|| per entry; when an eviction policy compacts a row, the cache must not keep
+    the norms of the entries that used to sit at those indices."""
+    from cotserve.engine.cache import CacheShape, KVCache
+    from cotserve.policies.sfi.policy import SFIPolicy
+
+    g = torch.Generator().manual_seed(4)
+    cache = KVCache(CacheShape(layers=2, slots=1, kv_heads=2, capacity=32, head_dim=8), torch.float32,
+                    torch.device("cpu"))
+    cache.k[:, 0, :, :20] = torch.randn(2, 2, 20, 8, generator=g)
+    cache.pos[:, 0, :, :20] = torch.arange(20)
+    cache.lens[:, 0] = 20
+    pol = SFIPolicy(SFIConfig())
+    pol.knorm = torch.zeros(2, 1, 2, 32)
+    pol.knorm_upto = [[0], [0]]
+    pol.knorm_epoch = [[0], [0]]
+    pol.n_layers = 2
+    got = pol._key_norms(slice(None), [0, 1], 0, 20, cache)
+    assert torch.allclose(got, cache.k[:, 0, :, :20].norm(dim=-1))
+    cache.compact(1, 0, torch.arange(0, 20, 2).expand(2, 10))  # layer 1 keeps every other entry
+    got = pol._key_norms(slice(None), [0, 1], 0, 10, cache)
+    assert torch.allclose(got, cache.k[:, 0, :, :10].norm(dim=-1))
