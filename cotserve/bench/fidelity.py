@@ -53,12 +53,12 @@ def run_fidelity_bench(policies: list[str], context: int, steps: int, batch: int
                        dtype: str, forced_mode: str = "text") -> dict[str, Any]:
     from cotserve.bench.prompts import long_prompts
 
+    if forced_mode not in ("text", "greedy"):  # fail fast, before loading anything
+        raise CotserveError(f"--forced must be 'text' or 'greedy' (got {forced_mode!r})")
     options = parse_options(policy_opt, policy_file)
     for p in policies:
         build_policy(p, _options_for(p, options))
     engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=batch)
-    if forced_mode not in ("text", "greedy"):
-        raise CotserveError(f"--forced must be 'text' or 'greedy' (got {forced_mode!r})")
     texts = long_prompts(engine.tokenizer, context + steps, batch, data_dir)
     prompts = [t[:context] for t in texts]
     if forced_mode == "text":
