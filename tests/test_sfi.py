@@ -169,6 +169,26 @@ def test_sfi_equals_dense_when_sink_k_recent_cover_the_context(engine):
     assert any((d.logprobs.float() - s.logprobs.float()).abs().max() > 0.05 for d, s in zip(dense, sparse, strict=True))
 
 
+def test_dense_head_fallback_reads_the_whole_history(engine):
+    """The unstable-head fallback: with every head allowed to fall back (and a threshold of 0),
+    a sparse SFI must give dense's logits; with the default fraction only that many heads do."""
+    prompts = [engine.encode_prompt(p) for p in PROMPTS]
+    dense = _run(engine, prompts, "dense")
+    forced = [r.token_ids for r in dense]
+    sparse = {"recent": 6, "k": 8, "max_interval": 6}
+    every = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 1.0, "dense_min": 0.0}, forced)
+    for d, s in zip(dense, every, strict=True):
+        assert s.greedy_ids == d.greedy_ids
+        assert (d.logprobs.float().exp() - s.logprobs.float().exp()).abs().max() < 2e-3
+        assert s.telemetry["sfi_dense_head_ratio"] == 1.0 and s.telemetry["sfi_retained_ratio"] == 1.0
+    few = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 0.1, "dense_min": 0.0}, forced)
+    none = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 0.0}, forced)
+    for f, z in zip(few, none, strict=True):
+        assert 0.0 < f.telemetry["sfi_dense_head_ratio"] <= 0.1 + 1e-6
+        assert z.telemetry["sfi_dense_head_ratio"] == 0.0
+        assert f.telemetry["sfi_retained_ratio"] > z.telemetry["sfi_retained_ratio"]
+
+
 def test_sfi_trigger_ablations_in_the_engine(engine):
     prompts = [engine.encode_prompt(PROMPTS[1])]
     off = _run(engine, prompts, "sfi", {"trigger": "disabled", "k": 8, "recent": 8}, n=16)[0]
@@ -192,7 +212,8 @@ def test_options_parse_through_the_registry(tmp_path):
     y.write_text("sfi:\n  min_gap: 3\n  max_interval: 9\n")
     (p,) = build_policy("sfi", parse_options(None, str(y))).parts
     assert (p.config.min_gap, p.config.max_interval) == (3, 9)
-    for bad in (["trigger=sometimes"], ["k=0"], ["fusion=max"], ["k=lots"], ["nosuch=1"], ["brake=0"]):
+    for bad in (["trigger=sometimes"], ["k=0"], ["fusion=max"], ["k=lots"], ["nosuch=1"], ["brake=0"],
+                ["dense_heads=1.5"], ["dense_min=-0.1"]):
         with pytest.raises(PolicyError):
             build_policy("sfi", parse_options(bad))
 

@@ -187,3 +187,52 @@ def test_topk_per_head_returns_sorted_indices_of_the_best():
     for h in range(3):
         assert set(idx[h].tolist()) == set(torch.argsort(x[h], descending=True)[:10].tolist())
     assert not math.isnan(float(x.sum()))
+
+
+def _instability_reference(logits: torch.Tensor, k: int, recent: int, oldest: int) -> torch.Tensor:
+    """support_instability by loops: per KV head, the oldest row's top-k (group max) outside the
+    window; per later row and query head, the largest weight outside top-k and window."""
+    h, g, r, s = logits.shape
+    out = torch.zeros(h)
+    for hi in range(h):
+        p = torch.softmax(logits[hi], dim=-1).nan_to_num(0.0)  # [G, R, S]
+        score = p[:, oldest].max(dim=0).values
+        keep = set(range(s - recent, s))
+        keep |= set(torch.argsort(score[: s - recent], descending=True)[:k].tolist())
+        misses = []
+        for ri in range(r):
+            if ri == oldest:
+                continue
+            for gi in range(g):
+                misses.append(max([float(p[gi, ri, j]) for j in range(s) if j not in keep] or [0.0]))
+        out[hi] = sum(misses) / len(misses)
+    return out
+
+
+def test_support_instability_matches_a_direct_computation_and_ranks_a_retrieval_head_first():
+    g = torch.Generator().manual_seed(21)
+    h, grp, r, s, k, recent = 3, 2, 5, 40, 6, 8
+    logits = torch.randn(h, grp, r, s, generator=g)
+    logits[..., :2] = float("-inf")  # sinks are not candidates
+    logits[:, :, 1, 30:] = float("-inf")  # a row that may not look at the newest entries (causal)
+    # head 0 is stable: every row peaks on the same old entry; head 1 retrieves: each later row
+    # peaks on a different entry that the oldest row never looked at
+    logits[0, :, :, 10] += 8.0
+    logits[1, :, 0, 12] += 8.0
+    for ri in range(1, r):
+        logits[1, :, ri, 12 + 3 * ri] += 8.0
+    for oldest in (0, 2):  # ring order: the oldest row need not come first
+        x = logits.clone()
+        if oldest:
+            x[:, :, [0, oldest]] = x[:, :, [oldest, 0]]
+        got = sel.support_instability(x, k, recent, oldest)
+        assert torch.allclose(got, _instability_reference(x, k, recent, oldest), atol=1e-6)
+    got = sel.support_instability(logits, k, recent)
+    assert got[1] > 0.3 and got[0] < 0.05
+    # with k covering every candidate nothing can be missed; a single row has nothing to test
+    assert torch.all(sel.support_instability(logits, s, recent) == 0)
+    assert torch.all(sel.support_instability(logits[:, :, :1], k, recent) == 0)
+    # a row with no candidate at all (every entry -inf) misses nothing
+    empty = torch.full((1, grp, 2, s), float("-inf"))
+    empty[:, :, 0, 5] = 0.0
+    assert torch.all(sel.support_instability(empty, 1, 0) == 0)

@@ -4,7 +4,8 @@ everything else.
 
     python -m cotserve.bench.sfi_step_proxy [threads=1] [steps=6] [slow_ratio=0.0625]
 
-Prints dense s/step, SFI fast s/step (k=1024), the cost of a step in which one slot takes a slow
+Prints dense s/step, SFI fast s/step (k=1024, with the default fraction of dense-fallback
+heads marked by hand), the cost of a step in which one slot takes a slow
 step, and the SFI/dense ratio estimated for the given per-slot slow-step ratio. Only a proxy for
 `cotserve bench decode` (random keys, no real prompt)."""
 
@@ -71,7 +72,16 @@ def main(argv: list[str]) -> None:
     step(stack, batch, 0)
     res["dense_step_s"] = sum(step(stack, batch, t) for t in range(1, nstep + 1)) / nstep
     stack, batch = make("sfi", {"k": 1024, "trigger": "disabled"})
-    trigs = stack.parts[0].triggers
+    sfi = stack.parts[0]
+    # random keys have no retrieval heads: mark as many dense-fallback heads per slot as the
+    # default `dense_heads` fraction gives (spread over the layers), as a real prompt would
+    dense = torch.zeros_like(sfi.dense)
+    flat = dense.permute(1, 0, 2).reshape(B, -1)
+    for b in range(B):
+        flat[b, torch.randperm(flat.shape[1], generator=torch.Generator().manual_seed(b))[: sfi.n_dense]] = True
+    sfi.set_dense_heads(flat.view(B, dense.shape[0], dense.shape[2]).permute(1, 0, 2).contiguous())
+    res["dense_heads_per_slot"] = sfi.n_dense
+    trigs = sfi.triggers
     set_mode(trigs, "fixed_periodic")
     res["sfi_all_slow_first_step_s"] = step(stack, batch, 0)  # selection over the full cache
     set_mode(trigs, "disabled")

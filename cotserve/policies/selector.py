@@ -212,3 +212,46 @@ def topk_per_head(logs: torch.Tensor, k: int) -> torch.Tensor:
     member = torch.zeros(logs.shape, dtype=torch.bool, device=logs.device).scatter_(-1, idx, True)
     cols = member.reshape(-1, logs.shape[-1]).nonzero()[:, 1]
     return cols.view(idx.shape)
+
+
+def support_instability(logits: torch.Tensor, k: int, recent: int, oldest: int = 0) -> torch.Tensor:
+    """How much a head's attention escapes a selection made `R - 1` queries earlier, per KV head
+    (ours: the test behind SFI's `dense_heads` fallback, not a step of the paper's selector).
+
+    SFI rests on the attention support staying put within a sentence (Xie et al.,
+    arXiv:2603.12038). Some heads break that premise: retrieval/copy heads look up a different
+    earlier token for each new query (the "retrieval heads" of DuoAttention, Xiao et al.,
+    arXiv:2410.10819, which keeps such heads dense). This measures it on the observation rows a
+    refresh already has: the oldest row picks its top-`k` entries (its attention, max over the GQA
+    group) outside the last `recent` entries; for each later row and query head, the largest
+    attention weight on an entry outside that set and outside the window is the miss. Returns the
+    mean miss over the later rows and the group, `[..., H]` in [0, 1] (0 with a single row; rows
+    with no candidate at all count 0).
+
+    The PEAK miss, not the missed mass: a diffuse head (e.g. a first layer that averages over the
+    context) loses much mass to any top-k yet its output barely moves, since the missed entries
+    are many and small; a retrieval head loses one large weight, which moves its output. On the
+    bundled model the peak ranks the heads as the output error of a 16-step-stale exact top-k
+    does; the missed mass ranks the first layer's diffuse heads first.
+
+    `logits [..., H, G, R, S]`, already -inf wherever a row may not look (the sinks included:
+    weights are over the candidates); `oldest` is the index of the oldest row (the rows of a ring
+    buffer need not be in order; the others are all later)."""
+    rows, s = logits.shape[-2], logits.shape[-1]
+    if rows < 2:
+        return torch.zeros(logits.shape[:-3], device=logits.device)
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)  # [..., H, G, R]; -inf for a row with no candidate
+    first = torch.softmax(x[..., oldest, :], dim=-1).nan_to_num_(0.0).amax(dim=-2)  # [..., H, S]
+    w = min(recent, s)
+    old = first[..., : s - w]
+    keep = torch.zeros_like(first, dtype=torch.bool)
+    take = min(k, old.shape[-1])
+    if take > 0:
+        keep[..., : s - w].scatter_(-1, old.topk(take, dim=-1, sorted=False).indices, True)
+    keep[..., s - w :] = True
+    # the largest missed weight of a row is exp(largest missed logit - logsumexp): no softmax pass
+    top_missed = x.masked_fill(keep.unsqueeze(-2).unsqueeze(-2), NEG_INF).amax(dim=-1)  # [..., H, G, R]
+    missed = torch.exp(top_missed - lse).nan_to_num_(0.0)
+    missed[..., oldest] = 0.0  # the row that chose tests nothing
+    return missed.sum(dim=-1).mean(dim=-1) / (rows - 1)

@@ -40,6 +40,9 @@ class SFIConfig(PolicyConfig):
     nms_strength: float = 0.5  # soft-NMS penalty at full overlap (nats)
     excl_strength: float = 0.5  # cross-head exclusivity penalty (nats, at most)
     excl_temperature: float = 1.0  # ownership softmax temperature
+    # unstable-head fallback (ours, not in the paper; dense_heads=0 is the paper's SFI)
+    dense_heads: float = 0.08  # at most this fraction of a sequence's KV heads (all layers) read densely
+    dense_min: float = 0.01  # ... and only heads whose support_instability exceeds this
 
     def validate(self) -> None:
         for name in ("sinks", "recent", "nms_window"):
@@ -58,6 +61,10 @@ class SFIConfig(PolicyConfig):
             raise ValueError(f"alpha must be >= 0 (got {self.alpha})")
         if not 0.0 < self.brake <= 1.0:
             raise ValueError(f"brake must be in (0, 1] (got {self.brake})")
+        if not 0.0 <= self.dense_heads <= 1.0:
+            raise ValueError(f"dense_heads must be a fraction in [0, 1] (got {self.dense_heads})")
+        if not 0.0 <= self.dense_min <= 1.0:
+            raise ValueError(f"dense_min must be in [0, 1] (got {self.dense_min})")
         if self.lam_clip < 0 or self.excl_temperature <= 0:
             raise ValueError("lam_clip must be >= 0 and excl_temperature > 0")
         if self.fusion == "linear" and self.lam > 1.0:

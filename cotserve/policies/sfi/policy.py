@@ -143,8 +143,16 @@ class SFIPolicy(Policy):
         self.k_eff = [0] * B
         self.read_acc = torch.zeros(B, H, dtype=torch.long, device=dev)
         self.slow_slots: list[int] = []
-        # evidence of the current forward's refreshing slots: slot -> per layer (f [H, n], now)
-        self.evidence: dict[int, list[tuple[torch.Tensor, int] | None]] = {}
+        # evidence of the current forward's refreshing slots: slot -> per layer
+        # (f [H, n], now, support instability [H] or None)
+        self.evidence: dict[int, list[tuple[torch.Tensor, int, torch.Tensor | None] | None]] = {}
+        # unstable-head fallback: which (layer, slot, KV head) read densely on fast steps
+        self.n_dense = round(cfg.dense_heads * L * H)
+        self.dense = torch.zeros(L, B, H, dtype=torch.bool, device=dev)
+        self.dense_by_layer: list[list[tuple[int, int]]] = [[] for _ in range(L)]
+        self.dense_sum = [0.0] * B
+        self.instab_mean = torch.zeros(L, B, H, dtype=torch.float32, device=dev)  # over refreshes
+        self.instab_count = [0] * B
 
     # -- selection and packing -------------------------------------------------------------
     def _stash_evidence(self, layer: int, b: int, logits: torch.Tensor, row_pos: list[int], n: int,
@@ -157,7 +165,11 @@ class SFIPolicy(Policy):
         pos = batch.cache.pos[layer, b, :, :n]  # [H, n]
         mask_rows_inplace(logits, pos, torch.tensor(row_pos, device=pos.device), self.config.sinks)
         f = evidence_of(self.config, logits.reshape(h, g * r, n), None)
-        self.evidence.setdefault(b, [None] * self.n_layers)[layer] = (f, max(row_pos))
+        instab = None
+        if self.n_dense > 0:
+            oldest = min(range(r), key=row_pos.__getitem__)
+            instab = sel.support_instability(logits, self.config.k, self.config.recent, oldest)
+        self.evidence.setdefault(b, [None] * self.n_layers)[layer] = (f, max(row_pos), instab)
 
     def _key_norms(self, li: torch.Tensor | slice, layers: list[int], b: int, n: int, cache) -> torch.Tensor:
         """||k|| of the first n entries of slot b in `layers` [l, H, n], computed once per entry
@@ -195,6 +207,36 @@ class SFIPolicy(Policy):
             idx = select_from_evidence(cfg, f, pos, self._key_norms(li, layers, b, n, cache), now)
             self._pack(layers, b, n, idx, pos, cache)
             self.k_eff[b] = idx.shape[-1]
+        if self.n_dense > 0:
+            self._choose_dense_heads(b, per_layer)
+
+    def _choose_dense_heads(self, b: int, per_layer: list) -> None:
+        """The unstable-head fallback (ours; `dense_heads`, `dense_min`): until the next refresh,
+        slot b's `n_dense` KV heads (over all layers) with the largest support instability
+        (`selector.support_instability`, averaged over this sequence's refreshes so far, bootstrap
+        included: whether a head retrieves is a property of the head, and one refresh's 8 rows
+        are a small sample) above `dense_min` read the whole history on fast steps, the others
+        their SFI selection."""
+        layers = [i for i, item in enumerate(per_layer) if item is not None]
+        lt = torch.tensor(layers, device=self.dense.device)
+        m = self.instab_count[b]
+        instab = (self.instab_mean[lt, b] * m + torch.stack([per_layer[i][2] for i in layers])) / (m + 1)
+        self.instab_mean[lt, b] = instab  # [l, H]: the running mean over this sequence's refreshes
+        self.instab_count[b] = m + 1
+        flat = instab.flatten()
+        top = flat.topk(min(self.n_dense, flat.numel()))
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen[top.indices[top.values > self.config.dense_min]] = True
+        dense = self.dense.clone()
+        dense[lt, b] = chosen.view(instab.shape)
+        self.set_dense_heads(dense)
+
+    def set_dense_heads(self, dense: torch.Tensor) -> None:
+        """Which (layer, slot, KV head) read densely on fast steps from now on: bool [L, B, H]."""
+        self.dense = dense
+        self.dense_by_layer = [[] for _ in range(self.n_layers)]
+        for layer, slot, head in dense.nonzero().tolist():
+            self.dense_by_layer[layer].append((slot, head))
 
     def _pack(self, layers: list[int], b: int, n: int, idx: torch.Tensor, pos: torch.Tensor, cache) -> None:
         """Write sinks + selected entries (idx [l, H, ke]) of slot b into the compact buffers,
@@ -275,7 +317,12 @@ class SFIPolicy(Policy):
             self.cmask = (self.cpos >= 0) & (self.cpos < wpos.unsqueeze(-1))
         else:
             self.cmask = self.cpos >= 0
-        self.read_acc = self.cmask.sum(dim=(0, -1))  # [B, H] compact entries read over all layers
+        reads = self.cmask.sum(dim=-1)  # [L, B, H] compact entries read
+        if self.n_dense > 0:  # a dense-fallback head reads every entry outside the window too
+            lens_t = torch.tensor(self.lens, device=dev)
+            outside = (lens_t - self.wmask.sum(-1).view(-1)).view(1, -1, 1)
+            reads = torch.where(self.dense, outside, reads)
+        self.read_acc = reads.sum(dim=0)  # [B, H] entries read outside the window, over all layers
 
     def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
         if layer == 0:
@@ -284,6 +331,10 @@ class SFIPolicy(Policy):
         self.ring[layer, self.bidx, :, self.ptr_t] = q[:, :, 0]
         if self.any_fast:
             out = self._fast(layer, q, batch)
+            slow = self.slow_slots
+            for b, h in self.dense_by_layer[layer]:
+                if b not in slow and self.active_now[b]:
+                    self._dense_head(layer, b, h, q, out, batch)
         else:
             out = torch.zeros_like(q)
         for b in self.slow_slots:
@@ -306,6 +357,16 @@ class SFIPolicy(Policy):
         return fast_attention(q, self.ckt[layer], self.cv[layer], self.cmask[layer], wk, wv, self.wmask,
                               batch.scaling)
 
+    def _dense_head(self, layer: int, b: int, h: int, q: torch.Tensor, out: torch.Tensor, batch: BatchState) -> None:
+        """Dense attention of slot b's KV head h (its GQA group of query heads) over the whole
+        history, written over the fast step's output for that group."""
+        n = self.lens[b]
+        g = self.hq // self.dense.shape[-1]
+        qg = q[b, h * g : (h + 1) * g, 0]  # [G, D]
+        logits = torch.matmul(qg, batch.cache.k[layer, b, h, :n].transpose(0, 1)).float().mul_(batch.scaling)
+        p = torch.softmax(logits, dim=-1).to(q.dtype)
+        out[b, h * g : (h + 1) * g, 0] = torch.matmul(p, batch.cache.v[layer, b, h, :n])
+
     def after_forward(self, batch: BatchState) -> None:
         if batch.mode != "decode":
             return
@@ -321,6 +382,8 @@ class SFIPolicy(Policy):
                 self.retained_sum[b] += 1.0
             else:
                 self.retained_sum[b] += min(1.0, (read[b] + wcount[b]) / max(self.lens[b], 1))
+                if self.n_dense > 0:
+                    self.dense_sum[b] += float(self.dense[:, b].float().mean())
 
     def telemetry(self, slot: int) -> dict[str, Any]:
         n = self.steps[slot]
@@ -330,4 +393,5 @@ class SFIPolicy(Policy):
             "sfi_slow_step_ratio": round(self.slow_steps[slot] / n, 4) if n else 0.0,
             "sfi_retained_ratio": round(self.retained_sum[slot] / n, 4) if n else 1.0,
             "sfi_selected_per_head": self.k_eff[slot],
+            "sfi_dense_head_ratio": round(self.dense_sum[slot] / max(n - self.slow_steps[slot], 1), 4),
         }
