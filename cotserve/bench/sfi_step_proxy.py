@@ -71,20 +71,20 @@ def main(argv: list[str]) -> None:
     stack, batch = make("dense", {})
     step(stack, batch, 0)
     res["dense_step_s"] = sum(step(stack, batch, t) for t in range(1, nstep + 1)) / nstep
-    stack, batch = make("sfi", {"k": 1024, "trigger": "disabled"})
+    # dense_min=0: random keys have no retrieval heads, so let the fallback take its full share
+    stack, batch = make("sfi", {"k": 1024, "trigger": "disabled", "dense_min": 0.0})
     sfi = stack.parts[0]
-    # random keys have no retrieval heads: mark as many dense-fallback heads per slot as the
-    # default `dense_heads` fraction gives (spread over the layers), as a real prompt would
-    dense = torch.zeros_like(sfi.dense)
-    flat = dense.permute(1, 0, 2).reshape(B, -1)
-    for b in range(B):
-        flat[b, torch.randperm(flat.shape[1], generator=torch.Generator().manual_seed(b))[: sfi.n_dense]] = True
-    sfi.set_dense_heads(flat.view(B, dense.shape[0], dense.shape[2]).permute(1, 0, 2).contiguous())
-    res["dense_heads_per_slot"] = sfi.n_dense
     trigs = sfi.triggers
     set_mode(trigs, "fixed_periodic")
     res["sfi_all_slow_first_step_s"] = step(stack, batch, 0)  # selection over the full cache
     set_mode(trigs, "disabled")
+    # that first selection had one query row, too few to rank heads: mark as many dense-fallback
+    # heads per slot as the default `dense_heads` fraction gives, at random over the layers
+    dense = torch.zeros(B, sfi.dense.shape[0] * sfi.dense.shape[2], dtype=torch.bool)
+    for b in range(B):
+        dense[b, torch.randperm(dense.shape[1], generator=torch.Generator().manual_seed(b))[: sfi.n_dense]] = True
+    sfi.set_dense_heads(dense.view(B, sfi.dense.shape[0], sfi.dense.shape[2]).permute(1, 0, 2).contiguous())
+    res["dense_heads_per_slot"] = sfi.n_dense
     res["sfi_fast_step_s"] = sum(step(stack, batch, t) for t in range(1, nstep + 1)) / nstep
     set_mode(trigs[:1], "fixed_periodic")
     res["sfi_one_slot_slow_step_s"] = step(stack, batch, nstep + 1)
