@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cotserve.policies import selector as sel
-from cotserve.policies.base import Axis, Policy, causal_prefill
+from cotserve.policies.base import Axis, Policy, causal_prefill, grouped_attention
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.registry import register
 from cotserve.policies.sfi.attention import fast_attention, slow_attention
@@ -148,8 +148,8 @@ class SFIPolicy(Policy):
         self.evidence: dict[int, list[tuple[torch.Tensor, int, torch.Tensor | None] | None]] = {}
         # unstable-head fallback: which (layer, slot, KV head) read densely on fast steps
         self.n_dense = round(cfg.dense_heads * L * H)
-        self.dense = torch.zeros(L, B, H, dtype=torch.bool, device=dev)
-        self.dense_by_layer: list[list[tuple[int, int]]] = [[] for _ in range(L)]
+        self.dense_by_layer: list[list[tuple[int, int]]] = []
+        self.set_dense_heads(torch.zeros(L, B, H, dtype=torch.bool, device=dev))
         self.dense_sum = [0.0] * B
         self.instab_mean = torch.zeros(L, B, H, dtype=torch.float32, device=dev)  # over refreshes
         self.instab_count = [0] * B
@@ -234,6 +234,7 @@ class SFIPolicy(Policy):
     def set_dense_heads(self, dense: torch.Tensor) -> None:
         """Which (layer, slot, KV head) read densely on fast steps from now on: bool [L, B, H]."""
         self.dense = dense
+        self.dense_frac = dense.float().mean(dim=(0, 2)).tolist()  # per slot, for the telemetry
         self.dense_by_layer = [[] for _ in range(self.n_layers)]
         for layer, slot, head in dense.nonzero().tolist():
             self.dense_by_layer[layer].append((slot, head))
@@ -362,10 +363,9 @@ class SFIPolicy(Policy):
         history, written over the fast step's output for that group."""
         n = self.lens[b]
         g = self.hq // self.dense.shape[-1]
-        qg = q[b, h * g : (h + 1) * g, 0]  # [G, D]
-        logits = torch.matmul(qg, batch.cache.k[layer, b, h, :n].transpose(0, 1)).float().mul_(batch.scaling)
-        p = torch.softmax(logits, dim=-1).to(q.dtype)
-        out[b, h * g : (h + 1) * g, 0] = torch.matmul(p, batch.cache.v[layer, b, h, :n])
+        grp = slice(h * g, (h + 1) * g)
+        kv = (batch.cache.k[layer, b : b + 1, h : h + 1, :n], batch.cache.v[layer, b : b + 1, h : h + 1, :n])
+        out[b : b + 1, grp] = grouped_attention(q[b : b + 1, grp], *kv, None, batch.scaling)
 
     def after_forward(self, batch: BatchState) -> None:
         if batch.mode != "decode":
@@ -383,7 +383,7 @@ class SFIPolicy(Policy):
             else:
                 self.retained_sum[b] += min(1.0, (read[b] + wcount[b]) / max(self.lens[b], 1))
                 if self.n_dense > 0:
-                    self.dense_sum[b] += float(self.dense[:, b].float().mean())
+                    self.dense_sum[b] += self.dense_frac[b]
 
     def telemetry(self, slot: int) -> dict[str, Any]:
         n = self.steps[slot]
