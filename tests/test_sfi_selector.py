@@ -236,3 +236,25 @@ def test_support_instability_matches_a_direct_computation_and_ranks_a_retrieval_
     empty = torch.full((1, grp, 2, s), float("-inf"))
     empty[:, :, 0, 5] = 0.0
     assert torch.all(sel.support_instability(empty, 1, 0) == 0)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0, 0.3, 0.0])
+def test_fused_evidence_and_instability_equal_the_two_separate_steps(alpha):
+    """The slow step's fused pass gives `evidence` and `support_instability` of the same logits,
+    including causal -inf tails, a row with no candidate, ring order and a single row."""
+    g = torch.Generator().manual_seed(31)
+    for h, grp, r, s, k, recent, oldest in [(3, 3, 8, 300, 40, 50, 2), (3, 2, 1, 30, 5, 4, 0), (2, 3, 4, 20, 30, 0, 1)]:
+        x = torch.randn(h, grp, r, s, generator=g) * 3
+        x[..., :4] = float("-inf")  # sinks
+        x[:, :, min(1, r - 1), -10:] = float("-inf")  # causal
+        x[0, 1, min(3, r - 1)] = float("-inf")  # a row with no candidate
+        cand = (torch.arange(s) >= 4).expand(h, s)
+        f_ref = sel.evidence(x.reshape(h, grp * r, s), None, cand, alpha)
+        i_ref = sel.support_instability(x, k, recent, oldest)
+        f, instab = sel.evidence_and_instability(x.clone(), alpha, k, recent, oldest)
+        assert torch.allclose(f, f_ref, atol=1e-6)
+        assert torch.allclose(instab, i_ref, atol=1e-6)
+        if r > 1 and recent < s - k:
+            assert float(instab.max()) > 0  # something to measure: the test can fail
+        f2, none = sel.evidence_and_instability(x.clone(), alpha, k, recent, oldest, with_instability=False)
+        assert none is None and torch.allclose(f2, f_ref, atol=1e-6)

@@ -255,3 +255,52 @@ def support_instability(logits: torch.Tensor, k: int, recent: int, oldest: int =
     missed = torch.exp(top_missed - lse).nan_to_num_(0.0)
     missed[..., oldest] = 0.0  # the row that chose tests nothing
     return missed.sum(dim=-1).mean(dim=-1) / (rows - 1)
+
+
+def evidence_and_instability(logits: torch.Tensor, alpha: float, k: int, recent: int, oldest: int,
+                             with_instability: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused `evidence(logits, None, cand, alpha)` and `support_instability(logits, k, recent,
+    oldest)`: the same values from one row-wise e = exp(alpha * (l - max)) (the slow step's hot
+    loop: it runs for every layer of a refreshing sequence). Every softmax weight the instability
+    needs is e^(1/alpha) / Z with Z = sum_p exp(l - max) (= sum e^2 at alpha 0.5, sum e at 1), so
+    neither a logsumexp nor a softmax nor a masked copy of the rows is formed.
+    `logits [..., H, G, R, S]` float32, already -inf wherever a row may not look (the sinks
+    included: both results are over the candidates); it is CONSUMED (overwritten in place).
+    Returns (f [..., H, S] normalized, instability [..., H] or None). alpha = 0 (the log-mean)
+    has no such shared pass and takes the two unfused functions."""
+    if alpha == 0.0:
+        instab = support_instability(logits, k, recent, oldest) if with_instability else None
+        rows = logits.flatten(-3, -2)
+        return evidence(rows, None, torch.isfinite(rows).any(dim=-2), alpha), instab
+    *lead, h, g, r, s = logits.shape
+    x = logits.view(*lead, h, g * r, s)
+    m = x.amax(dim=-1, keepdim=True)
+    empty = torch.isinf(m)  # a row with no allowed position
+    m.masked_fill_(empty, 0.0)
+    torch.add(m.mul_(-alpha), x, alpha=alpha, out=x)  # alpha * (l - max), in place
+    e = x.exp_()
+    if alpha == 0.5:
+        z = torch.linalg.vecdot(e, e, dim=-1)
+    elif alpha == 1.0:
+        z = e.sum(-1)
+    else:
+        z = e.pow(1.0 / alpha).sum(-1)
+    z = z.masked_fill_(empty.squeeze(-1), 0.0)  # [..., H, G*R]
+    w = z.clamp_min(TINY).pow(-alpha).masked_fill_(empty.squeeze(-1), 0.0) / (g * r)
+    f = torch.matmul(w.unsqueeze(-2), e).squeeze(-2).clamp_min_(0.0).pow_(1.0 / alpha)
+    f = f / f.sum(dim=-1, keepdim=True).clamp_min(TINY)
+    if not with_instability or r < 2:
+        return f, (torch.zeros(f.shape[:-1], device=f.device) if with_instability else None)
+    e = e.view(*lead, h, g, r, s)
+    z = z.view(*lead, h, g, r)
+    inv = 1.0 / alpha
+    first = (e[..., oldest, :].pow(inv) / z[..., oldest, None]).nan_to_num_(0.0).amax(dim=-2)  # [..., H, S]
+    wlen = min(recent, s)
+    take = min(k, s - wlen)
+    if take > 0:
+        keep = first[..., : s - wlen].topk(take, dim=-1, sorted=False).indices
+        e[..., : s - wlen].scatter_(-1, keep.unsqueeze(-2).unsqueeze(-2).expand(*lead, h, g, r, take), 0.0)
+    e[..., s - wlen :] = 0.0
+    missed = (e.amax(dim=-1).pow_(inv) / z).nan_to_num_(0.0)  # [..., H, G, R]: peak weight outside
+    missed[..., oldest] = 0.0  # the row that chose tests nothing
+    return f, missed.sum(dim=-1).mean(dim=-1) / (r - 1)

@@ -68,7 +68,8 @@ def slow_attention(qrows: torch.Tensor, cur: int, k: torch.Tensor, v: torch.Tens
     hq, w, d = qrows.shape
     hkv, s, _ = k.shape
     g = hq // hkv
-    logits = torch.matmul(qrows.reshape(hkv, g * w, d), k.transpose(-1, -2)).float().mul_(scaling)
+    # the scaling is applied to the few query rows, not to the [rows, S] logits (one pass fewer)
+    logits = torch.matmul(qrows.reshape(hkv, g * w, d) * scaling, k.transpose(-1, -2)).float()
     logits = logits.view(hkv, g, w, s)
     p = torch.softmax(logits[:, :, cur], dim=-1).to(v.dtype)  # [Hkv, G, S]
     out = torch.matmul(p, v)  # [Hkv, G, D]

@@ -164,11 +164,10 @@ class SFIPolicy(Policy):
         h, g, r, _ = logits.shape
         pos = batch.cache.pos[layer, b, :, :n]  # [H, n]
         mask_rows_inplace(logits, pos, torch.tensor(row_pos, device=pos.device), self.config.sinks)
-        f = evidence_of(self.config, logits.reshape(h, g * r, n), None)
-        instab = None
-        if self.n_dense > 0:
-            oldest = min(range(r), key=row_pos.__getitem__)
-            instab = sel.support_instability(logits, self.config.k, self.config.recent, oldest)
+        cfg = self.config
+        oldest = min(range(r), key=row_pos.__getitem__)
+        # evidence f and, for the fallback, the support instability, in one set of passes
+        f, instab = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, oldest, self.n_dense > 0)
         self.evidence.setdefault(b, [None] * self.n_layers)[layer] = (f, max(row_pos), instab)
 
     def _key_norms(self, li: torch.Tensor | slice, layers: list[int], b: int, n: int, cache) -> torch.Tensor:
@@ -272,8 +271,8 @@ class SFIPolicy(Policy):
                 self.ring_ptr[b] = w % w_max
             kk = batch.cache.k[layer, b, :, :n]
             g = self.hq // hkv
-            logits = torch.matmul(qrows.reshape(hkv, g * w, -1), kk.transpose(-1, -2)).float()
-            logits = logits.mul_(batch.scaling).view(hkv, g, w, n)
+            logits = torch.matmul(qrows.reshape(hkv, g * w, -1) * batch.scaling, kk.transpose(-1, -2)).float()
+            logits = logits.view(hkv, g, w, n)
             self._stash_evidence(layer, b, logits, row_pos, n, batch)
         if layer == self.n_layers - 1:
             for b in list(self.evidence):
