@@ -15,6 +15,12 @@ from cotserve.policies.base import grouped_attention
 from cotserve.policies.registry import build_policy, parse_options
 from cotserve.policies.sfi import RefreshTrigger, SFIConfig
 from cotserve.policies.sfi.attention import fast_attention, fast_attention_reference, slow_attention
+from cotserve.policies.sfi.fallback import (
+    page_bound_attention,
+    page_bound_reference,
+    page_bounds,
+    page_scores,
+)
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_positions
 
 # -- attention ------------------------------------------------------------------------------
@@ -181,12 +187,58 @@ def test_dense_head_fallback_reads_the_whole_history(engine):
         assert s.greedy_ids == d.greedy_ids
         assert (d.logprobs.float().exp() - s.logprobs.float().exp()).abs().max() < 2e-3
         assert s.telemetry["sfi_dense_head_ratio"] == 1.0 and s.telemetry["sfi_retained_ratio"] == 1.0
+    # the exact path (dense_budget=0) too; a small page budget reads less than everything
+    exact = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 1.0, "dense_min": 0.0, "dense_budget": 0}, forced)
+    paged = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 1.0, "dense_min": 0.0, "dense_budget": 8,
+                                          "dense_page": 4}, forced)
+    for d, s, p in zip(dense, exact, paged, strict=True):
+        assert (d.logprobs.float().exp() - s.logprobs.float().exp()).abs().max() < 2e-3
+        assert s.telemetry["sfi_retained_ratio"] == 1.0
+        assert 0.0 < p.telemetry["sfi_retained_ratio"] < 0.95
     few = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 0.1, "dense_min": 0.0}, forced)
     none = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 0.0}, forced)
-    for f, z in zip(few, none, strict=True):
+    for f, z, p in zip(few, none, paged, strict=True):
         assert 0.0 < f.telemetry["sfi_dense_head_ratio"] <= 0.1 + 1e-6
         assert z.telemetry["sfi_dense_head_ratio"] == 0.0
         assert f.telemetry["sfi_retained_ratio"] > z.telemetry["sfi_retained_ratio"]
+        assert p.telemetry["sfi_retained_ratio"] > z.telemetry["sfi_retained_ratio"]
+
+
+@pytest.mark.parametrize(("n", "budget", "page"), [(200, 48, 16), (200, 1000, 16), (37, 16, 8), (130, 8, 4)])
+def test_page_bound_fallback_read_matches_its_loop_reference(n, budget, page):
+    """A fallback head's Quest read (page bounds, top pages, sink page, tail) against loops."""
+    g = torch.Generator().manual_seed(n + budget)
+    d = 8
+    k = torch.randn(n, d, generator=g)
+    v = torch.randn(n, d, generator=g)
+    q = torch.randn(3, 1, d, generator=g)
+    pages = (n - 20) // page
+    bounds = page_bounds(k[: pages * page], page)
+    out, read = page_bound_attention(q, k, v, bounds, budget, page, 0.3)
+    assert torch.allclose(out, page_bound_reference(q, k, v, pages, budget, page, 0.3), atol=1e-5)
+    take = min(max(budget // page, 1), pages)
+    assert read == (n if take >= pages else take * page + n - pages * page)
+    # the bound is an upper bound: no key of a page scores above it, for any query head
+    scores = page_scores(q[:, 0], bounds)
+    for p in range(pages):
+        assert float((k[p * page : (p + 1) * page] @ q[:, 0].T).max()) <= float(scores[p]) + 1e-5
+
+
+def test_page_bound_fallback_finds_a_retrieved_key_far_back():
+    """One key far back matches the query strongly: with room for two pages (sinks + one), the
+    page read takes that page and the output is (nearly) its value, as dense attention's is."""
+    g = torch.Generator().manual_seed(5)
+    n, d, page = 300, 16, 8
+    k = torch.randn(n, d, generator=g) * 0.1
+    v = torch.randn(n, d, generator=g)
+    q = torch.randn(2, 1, d, generator=g)
+    k[101] = q[0, 0] * 4.0  # inside page 12
+    pages = (n - 40) // page
+    out, read = page_bound_attention(q, k, v, page_bounds(k[: pages * page], page), 2 * page, page, 1.0)
+    dense = grouped_attention(q[None], k[None, None], v[None, None], None, 1.0)[0]
+    assert read == 2 * page + n - pages * page
+    assert torch.allclose(out[0], dense[0], atol=1e-3)
+    assert torch.allclose(out[0, 0], v[101], atol=0.05)
 
 
 def test_sfi_trigger_ablations_in_the_engine(engine):
@@ -213,7 +265,7 @@ def test_options_parse_through_the_registry(tmp_path):
     (p,) = build_policy("sfi", parse_options(None, str(y))).parts
     assert (p.config.min_gap, p.config.max_interval) == (3, 9)
     for bad in (["trigger=sometimes"], ["k=0"], ["fusion=max"], ["k=lots"], ["nosuch=1"], ["brake=0"],
-                ["dense_heads=1.5"], ["dense_min=-0.1"]):
+                ["dense_heads=1.5"], ["dense_min=-0.1"], ["dense_budget=-1"], ["dense_page=0"]):
         with pytest.raises(PolicyError):
             build_policy("sfi", parse_options(bad))
 

@@ -84,6 +84,8 @@ def main(argv: list[str]) -> None:
     for b in range(B):
         dense[b, torch.randperm(dense.shape[1], generator=torch.Generator().manual_seed(b))[: sfi.n_dense]] = True
     sfi.set_dense_heads(dense.view(B, sfi.dense.shape[0], sfi.dense.shape[2]).permute(1, 0, 2).contiguous())
+    for b in range(B):  # their page bounds, as a refresh takes them
+        sfi._take_page_bounds(b, batch)
     res["dense_heads_per_slot"] = sfi.n_dense
     res["sfi_fast_step_s"] = sum(step(stack, batch, t) for t in range(1, nstep + 1)) / nstep
     set_mode(trigs[:1], "fixed_periodic")

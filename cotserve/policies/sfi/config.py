@@ -43,12 +43,16 @@ class SFIConfig(PolicyConfig):
     # unstable-head fallback (ours, not in the paper; dense_heads=0 is the paper's SFI)
     dense_heads: float = 0.08  # at most this fraction of a sequence's KV heads (all layers) read densely
     dense_min: float = 0.01  # ... and only heads whose support_instability exceeds this
+    dense_budget: int = 1024  # entries a fallback head reads per step by Quest page bounds (0 = all)
+    dense_page: int = 8  # page size of those bounds (Quest uses 16; 8 kept top-1 >= 0.95 here)
 
     def validate(self) -> None:
         for name in ("sinks", "recent", "nms_window"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
-        for name in ("k", "obs_window", "min_gap", "max_interval", "period"):
+        if self.dense_budget < 0:
+            raise ValueError(f"dense_budget must be >= 0 (got {self.dense_budget})")
+        for name in ("k", "obs_window", "min_gap", "max_interval", "period", "dense_page"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.cooldown < 0:

@@ -34,6 +34,7 @@ from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.registry import register
 from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
+from cotserve.policies.sfi.fallback import page_bound_attention, page_bounds
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
@@ -153,6 +154,10 @@ class SFIPolicy(Policy):
         self.dense_sum = [0.0] * B
         self.instab_mean = torch.zeros(L, B, H, dtype=torch.float32, device=dev)  # over refreshes
         self.instab_count = [0] * B
+        # page bounds of the fallback heads (`dense_budget` > 0): (layer, slot, head) ->
+        # (bounds [2D, pages], cache compaction epoch); bounded pages per slot
+        self.bounds: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}
+        self.bounded_pages = [0] * B
 
     # -- selection and packing -------------------------------------------------------------
     def _stash_evidence(self, layer: int, b: int, logits: torch.Tensor, row_pos: list[int], n: int,
@@ -208,6 +213,7 @@ class SFIPolicy(Policy):
             self.k_eff[b] = idx.shape[-1]
         if self.n_dense > 0:
             self._choose_dense_heads(b, per_layer)
+            self._take_page_bounds(b, batch)
 
     def _choose_dense_heads(self, b: int, per_layer: list) -> None:
         """The unstable-head fallback (ours; `dense_heads`, `dense_min`): until the next refresh,
@@ -229,6 +235,23 @@ class SFIPolicy(Policy):
         dense = self.dense.clone()
         dense[lt, b] = chosen.view(instab.shape)
         self.set_dense_heads(dense)
+
+    def _take_page_bounds(self, b: int, batch: BatchState) -> None:
+        """Quest page bounds (`fallback.page_bounds`) of slot b's fallback heads, over the full
+        pages before the recent window (the window only moves forward, so they stay before it)."""
+        cfg, cache = self.config, batch.cache
+        for key in [key for key in self.bounds if key[1] == b]:
+            del self.bounds[key]
+        if cfg.dense_budget == 0:
+            return
+        n = int(cache.lens[0, b])
+        pages = max(0, n - cfg.recent) // cfg.dense_page
+        self.bounded_pages[b] = pages
+        for layer, heads in enumerate(self.dense_by_layer):
+            for slot, h in heads:
+                if slot == b:
+                    kb = page_bounds(cache.k[layer, b, h, : pages * cfg.dense_page], cfg.dense_page)
+                    self.bounds[(layer, b, h)] = (kb, cache.compactions[layer][b])
 
     def set_dense_heads(self, dense: torch.Tensor) -> None:
         """Which (layer, slot, KV head) read densely on fast steps from now on: bool [L, B, H]."""
@@ -318,10 +341,9 @@ class SFIPolicy(Policy):
         else:
             self.cmask = self.cpos >= 0
         reads = self.cmask.sum(dim=-1)  # [L, B, H] compact entries read
-        if self.n_dense > 0:  # a dense-fallback head reads every entry outside the window too
-            lens_t = torch.tensor(self.lens, device=dev)
-            outside = (lens_t - self.wmask.sum(-1).view(-1)).view(1, -1, 1)
-            reads = torch.where(self.dense, outside, reads)
+        if self.n_dense > 0:  # a fallback head reads every entry outside the window, or its pages
+            outside = [self._fallback_reads(b, w) for b, w in enumerate(self.wstart)]
+            reads = torch.where(self.dense, torch.tensor(outside, device=dev).view(1, -1, 1), reads)
         self.read_acc = reads.sum(dim=0)  # [B, H] entries read outside the window, over all layers
 
     def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
@@ -357,13 +379,31 @@ class SFIPolicy(Policy):
         return fast_attention(q, self.ckt[layer], self.cv[layer], self.cmask[layer], wk, wv, self.wmask,
                               batch.scaling)
 
+    def _fallback_reads(self, b: int, outside: int) -> int:
+        """Entries outside the recent window that one fallback head of slot b reads this step."""
+        cfg = self.config
+        pages = self.bounded_pages[b]
+        take = min(max(cfg.dense_budget // cfg.dense_page, 1), pages)
+        if cfg.dense_budget == 0 or take >= pages:
+            return outside
+        return min(outside, take * cfg.dense_page + self.wstart[b] - pages * cfg.dense_page)
+
     def _dense_head(self, layer: int, b: int, h: int, q: torch.Tensor, out: torch.Tensor, batch: BatchState) -> None:
-        """Dense attention of slot b's KV head h (its GQA group of query heads) over the whole
-        history, written over the fast step's output for that group."""
+        """The fallback read of slot b's KV head h (its GQA group of query heads), written over the
+        fast step's output for that group: Quest page bounds pick `dense_budget` entries
+        (`fallback.page_bound_attention`), or, with `dense_budget=0` or bounds made stale by a
+        cache compaction, dense attention over the whole history."""
         n = self.lens[b]
         g = self.hq // self.dense.shape[-1]
         grp = slice(h * g, (h + 1) * g)
-        kv = (batch.cache.k[layer, b : b + 1, h : h + 1, :n], batch.cache.v[layer, b : b + 1, h : h + 1, :n])
+        cache = batch.cache
+        bounds = self.bounds.get((layer, b, h))
+        if bounds is not None and bounds[1] == cache.compactions[layer][b]:
+            o, _ = page_bound_attention(q[b, grp], cache.k[layer, b, h, :n], cache.v[layer, b, h, :n], bounds[0],
+                                        self.config.dense_budget, self.config.dense_page, batch.scaling)
+            out[b, grp] = o
+            return
+        kv = (cache.k[layer, b : b + 1, h : h + 1, :n], cache.v[layer, b : b + 1, h : h + 1, :n])
         out[b : b + 1, grp] = grouped_attention(q[b : b + 1, grp], *kv, None, batch.scaling)
 
     def after_forward(self, batch: BatchState) -> None:
