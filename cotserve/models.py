@@ -156,8 +156,10 @@ def load_random_model(shape: str, device: str = "auto", dtype: str = "auto", see
     for p in model.parameters():  # real-scale activations: small normal weights
         torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
     model.eval()
+    wdt = narrow_weights(model, dtype, dev, dt)
     tok = _synthetic_tokenizer(config.vocab_size, config.eos_token_id)
-    return LoadedModel(name=f"random:{shape}", path=Path("."), model=model, tokenizer=tok, device=dev, dtype=dt)
+    return LoadedModel(name=f"random:{shape}", path=Path("."), model=model, tokenizer=tok, device=dev, dtype=dt,
+                       weight_dtype=wdt)
 
 
 def resolve_model(spec: str | None) -> Path:
@@ -198,15 +200,82 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+WEIGHT_ONLY = ("bf16w",)  # bf16 linear weights; activations and the KV cache stay float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 dot products in hardware (AVX512-BF16 or AMX-BF16, from
+    /proc/cpuinfo): only then do bf16 weights halve the bytes a decode step streams without a
+    slow emulated matmul."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` is bf16 on CUDA and float32 on CPU."""
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    """The compute dtype (activations, KV cache): `auto` is bf16 on CUDA and float32 on CPU;
+    `bf16w` computes in float32 (its weights are bf16, `pick_weight_dtype`)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in table:
-        raise ModelError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    return table[dtype]
+    if dtype in WEIGHT_ONLY:
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}: use auto, float32, bf16w, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def pick_weight_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the linear layers' weights are stored in when it differs from the compute dtype
+    (None: the same). `bf16w` stores them in bf16; `auto` does so on a CPU with native bf16 dot
+    products (`cpu_has_native_bf16`), where it makes a float32 model's decode steps stream half
+    the weight bytes."""
+    if dtype in WEIGHT_ONLY or (dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return None
+
+
+class WeightOnlyLinear(torch.nn.Module):
+    """A linear layer whose weight is stored in a narrower dtype than the activations (bf16 under
+    float32): the input is cast to the weight's dtype for the matmul (bf16 products, float32
+    accumulation in oneDNN's GEMM) and the output back, so the rest of the model (norms,
+    residual stream, attention, the KV cache) stays float32. A decode step is dominated by
+    streaming the weights; this halves those bytes."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = torch.nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)
+        bias = linear.bias
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def narrow_weights(model: torch.nn.Module, dtype: str, device: torch.device, compute: torch.dtype
+                   ) -> torch.dtype | None:
+    """Apply `pick_weight_dtype` to a loaded model; returns the weights' dtype, or None when they
+    stay in the compute dtype."""
+    wdt = pick_weight_dtype(dtype, device)
+    if wdt is None or wdt == compute:
+        return None
+    store_linear_weights(model, wdt)
+    return wdt
+
+
+def store_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Replace every `nn.Linear` of `model` by a `WeightOnlyLinear` in `dtype` (a tied LM head gets
+    its own copy; the embedding stays). Returns how many were replaced."""
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, torch.nn.Linear)]
+    for parent, name, child in targets:
+        setattr(parent, name, WeightOnlyLinear(child, dtype))
+    return len(targets)
 
 
 @dataclass
@@ -219,6 +288,7 @@ class LoadedModel:
     tokenizer: object
     device: torch.device
     dtype: torch.dtype
+    weight_dtype: torch.dtype | None = None  # linear weights' dtype when narrower than `dtype`
 
     @property
     def config(self):
@@ -241,4 +311,6 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     except Exception as exc:
         raise ModelError(f"cannot load model from {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
     model.to(dev).eval()
-    return LoadedModel(name=spec or DEFAULT_MODEL, path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt)
+    wdt = narrow_weights(model, dtype, dev, dt)
+    return LoadedModel(name=spec or DEFAULT_MODEL, path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt,
+                       weight_dtype=wdt)

@@ -121,6 +121,7 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
         "model": model,
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "weight_dtype": str(engine.loaded.weight_dtype or engine.dtype).replace("torch.", ""),
         "context": context,
         "batch": batch,
         "new_tokens": new_tokens,

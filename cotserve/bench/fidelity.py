@@ -80,6 +80,8 @@ def run_fidelity_bench(policies: list[str], context: int, steps: int, batch: int
         row["telemetry"] = tele
         rows.append(row)
     return {"bench": "fidelity", "model": model, "device": str(engine.device),
-            "dtype": str(engine.dtype).replace("torch.", ""), "context": context, "steps": steps, "batch": batch,
+            "dtype": str(engine.dtype).replace("torch.", ""),
+            "weight_dtype": str(engine.loaded.weight_dtype or engine.dtype).replace("torch.", ""),
+            "context": context, "steps": steps, "batch": batch,
             "forced": forced_mode,
             "policy_options": options, "torch": torch.__version__, "results": rows}
