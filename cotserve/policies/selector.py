@@ -298,8 +298,10 @@ def evidence_and_instability(logits: torch.Tensor, alpha: float, k: int, recent:
     wlen = min(recent, s)
     take = min(k, s - wlen)
     if take > 0:
-        keep = first[..., : s - wlen].topk(take, dim=-1, sorted=False).indices
-        e[..., : s - wlen].scatter_(-1, keep.unsqueeze(-2).unsqueeze(-2).expand(*lead, h, g, r, take), 0.0)
+        keep = first[..., : s - wlen].topk(take, dim=-1, sorted=False).indices.reshape(-1, take)
+        rows = e.view(-1, g * r, s)
+        for i in range(rows.shape[0]):  # per KV head: one index_fill over its rows (cheaper than a scatter)
+            rows[i].index_fill_(-1, keep[i], 0.0)
     e[..., s - wlen :] = 0.0
     missed = (e.amax(dim=-1).pow_(inv) / z).nan_to_num_(0.0)  # [..., H, G, R]: peak weight outside
     missed[..., oldest] = 0.0  # the row that chose tests nothing

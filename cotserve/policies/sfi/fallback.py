@@ -44,14 +44,13 @@ def page_scores(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
 def page_read_indices(scores: torch.Tensor, budget: int, page: int, n: int) -> torch.Tensor:
     """Cache indices one fallback head reads: the first page (sinks), the best other pages by
     `scores` [P] (bounded pages; `budget // page` pages in all, at least one), and every entry from
-    P * page to n."""
+    P * page to n. `scores` is modified (its first entry is set to +inf)."""
     n_pages = scores.shape[0]
     take = min(max(budget // page, 1), n_pages)
     if take >= n_pages:
         return torch.arange(n, device=scores.device)
-    s = scores.clone()
-    s[0] = float("inf")  # the sink page is always read
-    top = torch.topk(s, take, sorted=False).indices  # attention is order-free: no sort
+    scores[0] = float("inf")  # the sink page is always read
+    top = torch.topk(scores, take, sorted=False).indices  # attention is order-free: no sort
     rows = (top.unsqueeze(1) * page + torch.arange(page, device=scores.device)).flatten()
     return torch.cat([rows, torch.arange(n_pages * page, n, device=scores.device)])
 
