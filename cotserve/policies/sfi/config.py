@@ -20,7 +20,7 @@ class SFIConfig(PolicyConfig):
     obs_window: int = 8  # query rows per refresh: last prompt queries at bootstrap, last decode queries after
     # trigger
     trigger: str = "boundary"  # boundary | fixed_periodic | disabled
-    min_gap: int = 16  # a boundary refresh waits until this many steps since the last refresh
+    min_gap: int = 32  # a boundary refresh waits until this many steps since the last refresh
     max_interval: int = 64  # refresh budget: a refresh is forced after this many steps
     cooldown: int = 4  # boundaries seen this soon after a refresh are dropped (runs like ".\n\n")
     period: int = 32  # fixed_periodic: refresh every `period` steps

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from cotserve.policies.base import grouped_attention
-
 
 def page_bounds(keys: torch.Tensor, page: int) -> torch.Tensor:
     """Elementwise max and min of the keys of each full page, stacked and transposed: keys [S, D]
@@ -59,11 +57,13 @@ def page_bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boun
                          page: int, scaling: float) -> tuple[torch.Tensor, int]:
     """One fallback head's decode attention: q [G, 1, D] (its query heads), k / v [n, D] its whole
     history, `bounds` [2D, P] of its first P pages. Returns (out [G, 1, D], entries read)."""
-    idx = page_read_indices(page_scores(q[:, 0], bounds), budget, page, k.shape[0])
+    qg = q[:, 0]  # [G, D]
+    idx = page_read_indices(page_scores(qg, bounds), budget, page, k.shape[0])
     kk = torch.index_select(k, 0, idx)
     vv = torch.index_select(v, 0, idx)
-    out = grouped_attention(q.unsqueeze(0), kk[None, None], vv[None, None], None, scaling)
-    return out[0], int(idx.numel())
+    # plain 2-D products (this runs per head and step: fewer ops than the batched grouped_attention)
+    w = torch.softmax(torch.mm(qg * scaling, kk.t()).float(), dim=-1).to(vv.dtype)  # [G, T]
+    return torch.mm(w, vv).unsqueeze(1), int(idx.numel())
 
 
 def page_bound_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pages: int, budget: int,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 @dataclass
 class RefreshTrigger:
     mode: str = "boundary"
-    min_gap: int = 16
+    min_gap: int = 32
     max_interval: int = 64
     cooldown: int = 4
     period: int = 32
