@@ -25,7 +25,7 @@ app.add_typer(calibrate_app, name="calibrate")
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Bundled name, transformers folder, or .gguf file.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA; on CPU float32, with bf16 linear weights where the CPU "
-                                             "has native bf16), float32, bf16w (bf16 weights, float32 compute), "
+                                             "has native bf16), float32, bf16w (bf16 weights and linear outputs, float32 otherwise), "
                                              "bfloat16, float16.")]
 PolicyOptOpt = Annotated[list[str] | None, typer.Option("--policy-opt", help="Policy option key=value (repeatable).")]
 PolicyFileOpt = Annotated[str | None, typer.Option("--policy-file", help="YAML/JSON file of policy options.")]

@@ -241,9 +241,11 @@ def pick_weight_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
 class WeightOnlyLinear(torch.nn.Module):
     """A linear layer whose weight is stored in a narrower dtype than the activations (bf16 under
     float32): the input is cast to the weight's dtype for the matmul (bf16 products, float32
-    accumulation in oneDNN's GEMM) and the output back, so the rest of the model (norms,
-    residual stream, attention, the KV cache) stays float32. A decode step is dominated by
-    streaming the weights; this halves those bytes."""
+    accumulation in oneDNN's GEMM) and the output back. The GEMM's output is bf16 (torch 2.13 has
+    no bf16 x bf16 -> float32 matmul on CPU), so every linear output is rounded to bf16 before the
+    cast: q/k/v, the updates added to the residual stream and the logits (whose step is 1/8 for
+    magnitudes 16-32); the rest (norms, residual sums, RoPE, attention, the KV cache) is float32.
+    A decode step is dominated by streaming the weights; this halves those bytes."""
 
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype):
         super().__init__()

@@ -79,9 +79,25 @@ def test_device_and_dtype_auto():
     assert pick_weight_dtype("bf16w", torch.device("cpu")) == torch.bfloat16
     assert pick_weight_dtype("float32", torch.device("cpu")) is None
     native = cpu_has_native_bf16()
-    assert native == any(f in open("/proc/cpuinfo").read().split() for f in ("avx512_bf16", "amx_bf16"))
     assert pick_weight_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else None)
     assert pick_weight_dtype("auto", torch.device("cuda")) is None
+
+
+@pytest.mark.parametrize(("text", "native"), [("flags : fpu avx512f avx512_bf16 sse\n", True),
+                                               ("flags : fpu amx_bf16 amx_tile\n", True),
+                                               ("flags : fpu avx2 avx512f avx512_vnni\n", False), (None, False)])
+def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch, text, native):
+    """cpu_has_native_bf16 on cpuinfo texts (a fake: other CPUs cannot be had here); None = no
+    /proc/cpuinfo (not Linux)."""
+    import pathlib
+
+    def read_text(self, *a, **kw):
+        if text is None:
+            raise FileNotFoundError(str(self))
+        return text
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    assert cpu_has_native_bf16() is native
 
 
 def test_weight_only_linear_matches_a_bf16_matmul_and_stays_close_to_float32():

@@ -11,7 +11,7 @@ the page's logits
     U(q, page) = sum_d max(q_d * m_d, q_d * M_d) = q+ . M + q- . m      (q+ = max(q, 0), q- = min(q, 0))
 
 The `budget // page` pages with the largest bound (the max over the GQA group's query heads, which
-share the KV head) are read, together with the first page (the sinks) and everything from the end
+share the KV head) are read, together with the first pages (those holding the sinks) and everything from the end
 of the last bounded page on (the recent window and entries written since the bounds were taken).
 Bounds are taken once per refresh, for the chosen heads only, over the full pages that lie before
 the window at that time. `dense_budget = 0` reads the whole history (exact).
@@ -27,7 +27,7 @@ def page_bounds(keys: torch.Tensor, page: int) -> torch.Tensor:
     -> [2D, S // page] (rows 0..D-1 the max M, D..2D-1 the min m), so that the bound of every page
     is one matmul (`page_scores`)."""
     n_pages = keys.shape[0] // page
-    k = keys[: n_pages * page].float().view(n_pages, page, -1)
+    k = keys[: n_pages * page].float().view(n_pages, page, keys.shape[-1])
     return torch.cat([k.amax(dim=1), k.amin(dim=1)], dim=1).t().contiguous()
 
 
@@ -39,26 +39,29 @@ def page_scores(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return (torch.cat([qf.clamp_min(0.0), qf.clamp_max(0.0)], dim=-1) @ bounds).amax(dim=0)
 
 
-def page_read_indices(scores: torch.Tensor, budget: int, page: int, n: int) -> torch.Tensor:
-    """Cache indices one fallback head reads: the first page (sinks), the best other pages by
-    `scores` [P] (bounded pages; `budget // page` pages in all, at least one), and every entry from
-    P * page to n. `scores` is modified (its first entry is set to +inf)."""
+def page_read_indices(scores: torch.Tensor, budget: int, page: int, n: int, first: int = 1) -> torch.Tensor:
+    """Cache indices one fallback head reads: the `first` pages (those holding the sinks), the
+    best other pages by `scores` [P] (bounded pages; `budget // page` pages in all, at least
+    `first`), and every entry from P * page to n. `scores` is modified (the first pages' entries
+    are set to +inf)."""
     n_pages = scores.shape[0]
-    take = min(max(budget // page, 1), n_pages)
+    take = min(max(budget // page, first, 1), n_pages)
     if take >= n_pages:
         return torch.arange(n, device=scores.device)
-    scores[0] = float("inf")  # the sink page is always read
+    scores[:first] = float("inf")  # the sink pages are always read
     top = torch.topk(scores, take, sorted=False).indices  # attention is order-free: no sort
     rows = (top.unsqueeze(1) * page + torch.arange(page, device=scores.device)).flatten()
     return torch.cat([rows, torch.arange(n_pages * page, n, device=scores.device)])
 
 
 def page_bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, budget: int,
-                         page: int, scaling: float) -> tuple[torch.Tensor, int]:
+                         page: int, scaling: float, sinks: int = 1) -> tuple[torch.Tensor, int]:
     """One fallback head's decode attention: q [G, 1, D] (its query heads), k / v [n, D] its whole
-    history, `bounds` [2D, P] of its first P pages. Returns (out [G, 1, D], entries read)."""
+    history, `bounds` [2D, P] of its first P pages; the pages holding the first `sinks` entries
+    are always read. Returns (out [G, 1, D], entries read)."""
     qg = q[:, 0]  # [G, D]
-    idx = page_read_indices(page_scores(qg, bounds), budget, page, k.shape[0])
+    first = -(-max(sinks, 1) // page)
+    idx = page_read_indices(page_scores(qg, bounds), budget, page, k.shape[0], first)
     kk = torch.index_select(k, 0, idx)
     vv = torch.index_select(v, 0, idx)
     # plain 2-D products (this runs per head and step: fewer ops than the batched grouped_attention)
@@ -67,7 +70,7 @@ def page_bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boun
 
 
 def page_bound_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pages: int, budget: int,
-                         page: int, scaling: float) -> torch.Tensor:
+                         page: int, scaling: float, sinks: int = 1) -> torch.Tensor:
     """Plain reference of `page_bound_attention`: bounds by loops over pages and dimensions,
     pages ranked by the bound, attention per query head over the chosen entries."""
     g, _, d = q.shape
@@ -79,11 +82,12 @@ def page_bound_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pa
             u = sum(max(float(q[h, 0, j]) * float(keys[:, j].min()), float(q[h, 0, j]) * float(keys[:, j].max()))
                     for j in range(d))
             bound[p] = max(float(bound[p]), u)
-    take = min(max(budget // page, 1), n_pages)
+    first = -(-max(sinks, 1) // page)
+    take = min(max(budget // page, first, 1), n_pages)
     if take >= n_pages:
         read = list(range(n))
     else:
-        bound[0] = float("inf")
+        bound[:first] = float("inf")
         pages = sorted(torch.argsort(bound, descending=True)[:take].tolist())
         read = [p * page + i for p in pages for i in range(page)] + list(range(n_pages * page, n))
     idx = torch.tensor(read)

@@ -244,10 +244,9 @@ class SFIPolicy(Policy):
             del self.bounds[key]
         if cfg.dense_budget == 0:
             return
-        n = int(cache.lens[0, b])
-        pages = max(0, n - cfg.recent) // cfg.dense_page
-        self.bounded_pages[b] = pages
+        self.bounded_pages[b] = max(0, int(cache.lens[0, b]) - cfg.recent) // cfg.dense_page  # for telemetry
         for layer, heads in enumerate(self.dense_by_layer):
+            pages = max(0, int(cache.lens[layer, b]) - cfg.recent) // cfg.dense_page  # layers may differ
             for slot, h in heads:
                 if slot == b:
                     kb = page_bounds(cache.k[layer, b, h, : pages * cfg.dense_page], cfg.dense_page)
@@ -380,13 +379,15 @@ class SFIPolicy(Policy):
                               batch.scaling)
 
     def _fallback_reads(self, b: int, outside: int) -> int:
-        """Entries outside the recent window that one fallback head of slot b reads this step."""
+        """Entries outside the recent window that one fallback head of slot b reads this step (by
+        layer 0's bounded pages: after a cache compaction, until the next refresh, an estimate)."""
         cfg = self.config
         pages = self.bounded_pages[b]
-        take = min(max(cfg.dense_budget // cfg.dense_page, 1), pages)
+        first = -(-max(cfg.sinks, 1) // cfg.dense_page)
+        take = min(max(cfg.dense_budget // cfg.dense_page, first, 1), pages)
         if cfg.dense_budget == 0 or take >= pages:
             return outside
-        return min(outside, take * cfg.dense_page + self.wstart[b] - pages * cfg.dense_page)
+        return max(0, min(outside, take * cfg.dense_page + self.wstart[b] - pages * cfg.dense_page))
 
     def _dense_head(self, layer: int, b: int, h: int, q: torch.Tensor, out: torch.Tensor, batch: BatchState) -> None:
         """The fallback read of slot b's KV head h (its GQA group of query heads), written over the
@@ -400,7 +401,8 @@ class SFIPolicy(Policy):
         bounds = self.bounds.get((layer, b, h))
         if bounds is not None and bounds[1] == cache.compactions[layer][b]:
             o, _ = page_bound_attention(q[b, grp], cache.k[layer, b, h, :n], cache.v[layer, b, h, :n], bounds[0],
-                                        self.config.dense_budget, self.config.dense_page, batch.scaling)
+                                        self.config.dense_budget, self.config.dense_page, batch.scaling,
+                                        self.config.sinks)
             out[b, grp] = o
             return
         kv = (cache.k[layer, b : b + 1, h : h + 1, :n], cache.v[layer, b : b + 1, h : h + 1, :n])
