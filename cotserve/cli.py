@@ -99,6 +99,9 @@ def bench_decode(
     policy_file: PolicyFileOpt = None,
     model: ModelOpt = "smollm2-135m-instruct",
     hf_baseline: Annotated[bool, typer.Option(help="Also time transformers' generate on the same input.")] = True,
+    interleave: Annotated[bool, typer.Option(help="Run the policies' decode steps round-robin, each timed alone "
+                                                  "(a drift of machine speed hits all alike); --no-interleave "
+                                                  "runs one policy after the other.")] = True,
     data_dir: Annotated[str | None, typer.Option(help="Dataset folder for prompt text ($COTSERVE_DATA_DIR).")] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     device: DeviceOpt = "auto",
@@ -111,7 +114,7 @@ def bench_decode(
         report = run_decode_bench(
             policies=[p.strip() for p in policy.split(",") if p.strip()], context=context, batch=batch,
             new_tokens=new_tokens, policy_opt=policy_opt, policy_file=policy_file, model=model,
-            hf_baseline=hf_baseline, data_dir=data_dir, device=device, dtype=dtype,
+            hf_baseline=hf_baseline, data_dir=data_dir, device=device, dtype=dtype, interleave=interleave,
         )
     except CotserveError as exc:
         fail(str(exc))

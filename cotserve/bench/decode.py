@@ -1,5 +1,6 @@
-"""`cotserve bench decode`: decode throughput of policies on the same prompts, in one run,
-plus transformers' own `generate` on the same input as a reference point."""
+"""`cotserve bench decode`: decode throughput of policies on the same prompts, in one run (by
+default their decode steps interleaved, one step of each in turn), plus transformers' own
+`generate` on the same input as a reference point."""
 
 from __future__ import annotations
 
@@ -95,9 +96,71 @@ def time_hf_generate(engine: NativeEngine, prompts: list[list[int]], new_tokens:
     }
 
 
+def time_native_interleaved(engine: NativeEngine, prompts: list[list[int]], new_tokens: int,
+                            runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[list]]:
+    """Like `time_native` for several policies at once, interleaved: each policy's batch is
+    prefilled in turn (timed alone), then their decode steps run round-robin, one step of each in
+    turn, and each step is timed on its own. A drift of the machine's speed (a shared VM's memory
+    bandwidth moves from minute to minute) then slows every policy alike instead of whichever ran
+    during it. Returns the rows and each policy's `Completion`s. The engine's per-request
+    `decode_s` / `decode_tok_s` telemetry spans the interleaved wall time, so those keys are left
+    out of the rows' telemetry."""
+    dev = engine.device
+    state = []
+    for policy, options in runs:
+        stack = build_policy(policy, options)
+        reqs = [GenRequest(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
+        gen = engine.stream(reqs, stack)
+        _sync(dev)
+        t0 = time.perf_counter()
+        first = next(gen)  # prefill and the first token of each sequence
+        _sync(dev)
+        results = [d.result for d in first if d.result is not None]
+        state.append({"stack": stack, "gen": gen, "results": results, "prefill_s": time.perf_counter() - t0,
+                      "decode_s": 0.0, "done": False})
+    while not all(st["done"] for st in state):
+        for st in state:
+            if st["done"]:
+                continue
+            t = time.perf_counter()
+            try:
+                deltas = next(st["gen"])
+            except StopIteration:
+                st["done"] = True
+                continue
+            _sync(dev)
+            st["decode_s"] += time.perf_counter() - t
+            st["results"].extend(d.result for d in deltas if d.result is not None)
+    rows = []
+    for st in state:
+        results = st["results"]
+        gen_tokens = sum(r.completion_tokens for r in results)
+        decode_tokens = gen_tokens - len(prompts)
+        tele = [r.telemetry for r in results]
+        row: dict[str, Any] = {
+            "policy": st["stack"].name,
+            "prefill_s": round(st["prefill_s"], 4),
+            "decode_s": round(st["decode_s"], 4),
+            "generated_tokens": gen_tokens,
+            "decode_tok_s": round(decode_tokens / st["decode_s"], 3) if st["decode_s"] > 0 else None,
+            "kv_bytes_per_seq_after_prefill": max(t["kv_bytes_after_prefill"] for t in tele),
+            "kv_bytes_per_seq_peak_decode": max(t["kv_bytes_peak"] for t in tele),
+            "kv_bytes_per_seq_end": max(t["kv_bytes_final"] for t in tele),
+            "peak_rss_mb": round(_peak_rss_mb(), 1),  # the process's: all policies' caches together
+        }
+        skip = ("decode_s", "decode_tok_s")
+        for key, val in tele[0].items():
+            if isinstance(val, (int, float)) and not key.startswith("kv_bytes") and key not in skip:
+                vals = [t[key] for t in tele if isinstance(t.get(key), (int, float))]
+                row.setdefault("telemetry", {})[key] = round(sum(vals) / len(vals), 4)
+        rows.append(row)
+    return rows, [st["results"] for st in state]
+
+
 def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: int,
                      policy_opt: list[str] | None, policy_file: str | None, model: str,
-                     hf_baseline: bool, data_dir: str | None, device: str, dtype: str) -> dict[str, Any]:
+                     hf_baseline: bool, data_dir: str | None, device: str, dtype: str,
+                     interleave: bool = True) -> dict[str, Any]:
     from cotserve.bench.prompts import long_prompts
 
     options = parse_options(policy_opt, policy_file)
@@ -107,7 +170,11 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
     prompts = long_prompts(engine.tokenizer, context, batch, data_dir)
     # warm-up (allocator, kernels) so the first policy is not penalised
     time_native(engine, [p[:64] for p in prompts], 4, "dense", {})
-    rows = [time_native(engine, prompts, new_tokens, p, _options_for(p, options)) for p in policies]
+    if interleave and len(policies) > 1:
+        runs = [(p, _options_for(p, options)) for p in policies]
+        rows, _ = time_native_interleaved(engine, prompts, new_tokens, runs)
+    else:
+        rows = [time_native(engine, prompts, new_tokens, p, _options_for(p, options)) for p in policies]
     base = next((r for r in rows if r["policy"] == "dense"), None)
     if hf_baseline:
         hf = time_hf_generate(engine, prompts, new_tokens)
@@ -128,6 +195,7 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
         "policy_options": options,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "interleaved": bool(interleave and len(policies) > 1),
         "machine": platform.machine(),
         "results": rows,
     }
