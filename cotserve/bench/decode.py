@@ -43,28 +43,34 @@ def time_native(engine: NativeEngine, prompts: list[list[int]], new_tokens: int,
             first_token_at = time.perf_counter()
         results.extend(d.result for d in deltas if d.result is not None)
     _sync(dev)
-    t1 = time.perf_counter()
+    out = _row(stack.name, first_token_at - t0, time.perf_counter() - first_token_at, results)
+    if dev.type == "cuda":
+        out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out
+
+
+def _row(policy: str, prefill_s: float, decode_s: float, results: list, skip: tuple[str, ...] = ()
+         ) -> dict[str, Any]:
+    """One policy's result row: timings, tokens, KV bytes, peak RSS, and the numeric per-request
+    telemetry averaged over the batch (`skip`: telemetry keys left out)."""
     gen = sum(r.completion_tokens for r in results)
-    decode_s = t1 - first_token_at
-    decode_tokens = gen - len(reqs)  # the first token of each comes from prefill
+    decode_tokens = gen - len(results)  # the first token of each comes from prefill
     tele = [r.telemetry for r in results]
     out: dict[str, Any] = {
-        "policy": stack.name,
-        "prefill_s": round(first_token_at - t0, 4),
+        "policy": policy,
+        "prefill_s": round(prefill_s, 4),
         "decode_s": round(decode_s, 4),
         "generated_tokens": gen,
         "decode_tok_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
         "kv_bytes_per_seq_after_prefill": max(t["kv_bytes_after_prefill"] for t in tele),
         "kv_bytes_per_seq_peak_decode": max(t["kv_bytes_peak"] for t in tele),
         "kv_bytes_per_seq_end": max(t["kv_bytes_final"] for t in tele),
-        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),  # the process's (interleaved: all policies' caches)
     }
-    if dev.type == "cuda":
-        out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    numeric = {k: v for k, v in tele[0].items() if isinstance(v, (int, float)) and not k.startswith("kv_bytes")}
-    for key in numeric:
-        vals = [t[key] for t in tele if isinstance(t.get(key), (int, float))]
-        out.setdefault("telemetry", {})[key] = round(sum(vals) / len(vals), 4)
+    for key, val in tele[0].items():
+        if isinstance(val, (int, float)) and not key.startswith("kv_bytes") and key not in skip:
+            vals = [t[key] for t in tele if isinstance(t.get(key), (int, float))]
+            out.setdefault("telemetry", {})[key] = round(sum(vals) / len(vals), 4)
     return out
 
 
@@ -131,29 +137,8 @@ def time_native_interleaved(engine: NativeEngine, prompts: list[list[int]], new_
             _sync(dev)
             st["decode_s"] += time.perf_counter() - t
             st["results"].extend(d.result for d in deltas if d.result is not None)
-    rows = []
-    for st in state:
-        results = st["results"]
-        gen_tokens = sum(r.completion_tokens for r in results)
-        decode_tokens = gen_tokens - len(prompts)
-        tele = [r.telemetry for r in results]
-        row: dict[str, Any] = {
-            "policy": st["stack"].name,
-            "prefill_s": round(st["prefill_s"], 4),
-            "decode_s": round(st["decode_s"], 4),
-            "generated_tokens": gen_tokens,
-            "decode_tok_s": round(decode_tokens / st["decode_s"], 3) if st["decode_s"] > 0 else None,
-            "kv_bytes_per_seq_after_prefill": max(t["kv_bytes_after_prefill"] for t in tele),
-            "kv_bytes_per_seq_peak_decode": max(t["kv_bytes_peak"] for t in tele),
-            "kv_bytes_per_seq_end": max(t["kv_bytes_final"] for t in tele),
-            "peak_rss_mb": round(_peak_rss_mb(), 1),  # the process's: all policies' caches together
-        }
-        skip = ("decode_s", "decode_tok_s")
-        for key, val in tele[0].items():
-            if isinstance(val, (int, float)) and not key.startswith("kv_bytes") and key not in skip:
-                vals = [t[key] for t in tele if isinstance(t.get(key), (int, float))]
-                row.setdefault("telemetry", {})[key] = round(sum(vals) / len(vals), 4)
-        rows.append(row)
+    rows = [_row(st["stack"].name, st["prefill_s"], st["decode_s"], st["results"], skip=("decode_s", "decode_tok_s"))
+            for st in state]
     return rows, [st["results"] for st in state]
 
 

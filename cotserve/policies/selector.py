@@ -68,26 +68,42 @@ def evidence(logits: torch.Tensor, allowed: torch.Tensor | None, cand: torch.Ten
     x = logits.float()
     if allowed is not None:
         x = x.masked_fill(~(allowed & cand.unsqueeze(-2)), NEG_INF)
-    m = x.amax(dim=-1, keepdim=True)
-    empty = torch.isinf(m)  # a row with no allowed position
-    m = m.masked_fill(empty, 0.0)
-    rows = x.shape[-2]
     if alpha == 0.0:
+        m = x.amax(dim=-1, keepdim=True)
+        empty = torch.isinf(m)  # a row with no allowed position
         lse = torch.logsumexp(x, dim=-1, keepdim=True).masked_fill(empty, 0.0)
         logp = (x - lse).clamp_min(math.log(TINY))
         out = torch.exp(logp.mean(dim=-2))
     else:
-        # e^alpha with e = exp(x - max) (one exp pass); row sums from e = (e^alpha)^(1/alpha)
-        ea = torch.sub(x, m).mul_(alpha).exp_()
-        if alpha == 0.5:
-            z = torch.linalg.vecdot(ea, ea, dim=-1)
-        elif alpha == 1.0:
-            z = ea.sum(-1)
-        else:
-            z = torch.exp(x - m).sum(-1)
-        w = z.clamp_min(TINY).pow(-alpha).masked_fill(empty.squeeze(-1), 0.0) / rows  # [..., R]
-        out = torch.matmul(w.unsqueeze(-2), ea).squeeze(-2).clamp_min(0.0).pow_(1.0 / alpha)
+        out = _power_mean_of_rows(*_exp_rows(x, alpha, in_place=False), alpha)
     return normalize(out, cand)
+
+
+def _exp_rows(x: torch.Tensor, alpha: float, in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one exp pass behind `evidence` (alpha > 0): per row of `x [..., R, S]` (-inf where a
+    row may not look), e = exp(alpha * (l - max)) and Z = sum_p exp(l - max) (from e: sum e^2 at
+    alpha 0.5, sum e at 1). A row with no allowed position gives e = 0 and Z = 0 (otherwise
+    Z >= 1). `in_place` overwrites x with e."""
+    m = x.amax(dim=-1, keepdim=True)
+    m.masked_fill_(torch.isinf(m), 0.0)
+    if in_place:
+        e = torch.add(m.mul_(-alpha), x, alpha=alpha, out=x).exp_()
+    else:
+        e = torch.sub(x, m).mul_(alpha).exp_()
+    if alpha == 0.5:
+        z = torch.linalg.vecdot(e, e, dim=-1)
+    elif alpha == 1.0:
+        z = e.sum(-1)
+    else:
+        z = e.pow(1.0 / alpha).sum(-1)
+    return e, z
+
+
+def _power_mean_of_rows(e: torch.Tensor, z: torch.Tensor, alpha: float) -> torch.Tensor:
+    """M_alpha over the rows of the row softmaxes, from `_exp_rows`: f_r^alpha = e_r / Z_r^alpha,
+    mean over rows (empty rows count zero), then the 1/alpha power. Unnormalized `[..., S]`."""
+    w = z.clamp_min(TINY).pow(-alpha).masked_fill_(z == 0, 0.0) / e.shape[-2]  # [..., R]
+    return torch.matmul(w.unsqueeze(-2), e).squeeze(-2).clamp_min_(0.0).pow_(1.0 / alpha)
 
 
 def key_norm_prior(key_norms: torch.Tensor, cand: torch.Tensor, power: float = 1.0) -> torch.Tensor:
@@ -273,21 +289,8 @@ def evidence_and_instability(logits: torch.Tensor, alpha: float, k: int, recent:
         rows = logits.flatten(-3, -2)
         return evidence(rows, None, torch.isfinite(rows).any(dim=-2), alpha), instab
     *lead, h, g, r, s = logits.shape
-    x = logits.view(*lead, h, g * r, s)
-    m = x.amax(dim=-1, keepdim=True)
-    empty = torch.isinf(m)  # a row with no allowed position
-    m.masked_fill_(empty, 0.0)
-    torch.add(m.mul_(-alpha), x, alpha=alpha, out=x)  # alpha * (l - max), in place
-    e = x.exp_()
-    if alpha == 0.5:
-        z = torch.linalg.vecdot(e, e, dim=-1)
-    elif alpha == 1.0:
-        z = e.sum(-1)
-    else:
-        z = e.pow(1.0 / alpha).sum(-1)
-    z = z.masked_fill_(empty.squeeze(-1), 0.0)  # [..., H, G*R]
-    w = z.clamp_min(TINY).pow(-alpha).masked_fill_(empty.squeeze(-1), 0.0) / (g * r)
-    f = torch.matmul(w.unsqueeze(-2), e).squeeze(-2).clamp_min_(0.0).pow_(1.0 / alpha)
+    e, z = _exp_rows(logits.view(*lead, h, g * r, s), alpha, in_place=True)  # [..., H, G*R, S], [..., H, G*R]
+    f = _power_mean_of_rows(e, z, alpha)
     f = f / f.sum(dim=-1, keepdim=True).clamp_min(TINY)
     if not with_instability or r < 2:
         return f, (torch.zeros(f.shape[:-1], device=f.device) if with_instability else None)

@@ -41,7 +41,7 @@ class SFIConfig(PolicyConfig):
     excl_strength: float = 0.5  # cross-head exclusivity penalty (nats, at most)
     excl_temperature: float = 1.0  # ownership softmax temperature
     # unstable-head fallback (ours, not in the paper; dense_heads=0 is the paper's SFI)
-    dense_heads: float = 0.08  # at most this fraction of a sequence's KV heads (all layers) read densely
+    dense_heads: float = 0.08  # at most this fraction of a sequence's KV heads (all layers) take the fallback read
     dense_min: float = 0.01  # ... and only heads whose support_instability exceeds this
     dense_budget: int = 1024  # entries a fallback head reads per step by Quest page bounds (0 = all)
     dense_page: int = 4  # page size of those bounds (Quest uses 16; see README for the choice)

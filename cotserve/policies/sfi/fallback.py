@@ -39,13 +39,25 @@ def page_scores(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return (torch.cat([qf.clamp_min(0.0), qf.clamp_max(0.0)], dim=-1) @ bounds).amax(dim=0)
 
 
-def page_read_indices(scores: torch.Tensor, budget: int, page: int, n: int, first: int = 1) -> torch.Tensor:
-    """Cache indices one fallback head reads: the `first` pages (those holding the sinks), the
-    best other pages by `scores` [P] (bounded pages; `budget // page` pages in all, at least
-    `first`), and every entry from P * page to n. `scores` is modified (the first pages' entries
-    are set to +inf)."""
+def pages_taken(n_pages: int, budget: int, page: int, sinks: int) -> tuple[int, int]:
+    """(pages holding the first `sinks` entries, always read; pages read in all out of the
+    `n_pages` bounded ones: `budget // page`, at least the sink pages, at most `n_pages`)."""
+    first = -(-max(sinks, 1) // page)
+    return first, min(max(budget // page, first), n_pages)
+
+
+def entries_read(n_pages: int, budget: int, page: int, sinks: int, n: int) -> int:
+    """How many of the `n` entries `page_read_indices` reads (everything when it takes every page)."""
+    _, take = pages_taken(n_pages, budget, page, sinks)
+    return n if take >= n_pages else take * page + n - n_pages * page
+
+
+def page_read_indices(scores: torch.Tensor, budget: int, page: int, n: int, sinks: int = 1) -> torch.Tensor:
+    """Cache indices one fallback head reads: the pages holding the first `sinks` entries, the
+    best other pages by `scores` [P] (bounded pages; `pages_taken`), and every entry from P * page
+    to n. `scores` is modified (the sink pages' entries are set to +inf)."""
     n_pages = scores.shape[0]
-    take = min(max(budget // page, first, 1), n_pages)
+    first, take = pages_taken(n_pages, budget, page, sinks)
     if take >= n_pages:
         return torch.arange(n, device=scores.device)
     scores[:first] = float("inf")  # the sink pages are always read
@@ -60,8 +72,7 @@ def page_bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boun
     history, `bounds` [2D, P] of its first P pages; the pages holding the first `sinks` entries
     are always read. Returns (out [G, 1, D], entries read)."""
     qg = q[:, 0]  # [G, D]
-    first = -(-max(sinks, 1) // page)
-    idx = page_read_indices(page_scores(qg, bounds), budget, page, k.shape[0], first)
+    idx = page_read_indices(page_scores(qg, bounds), budget, page, k.shape[0], sinks)
     kk = torch.index_select(k, 0, idx)
     vv = torch.index_select(v, 0, idx)
     # plain 2-D products (this runs per head and step: fewer ops than the batched grouped_attention)
@@ -82,8 +93,7 @@ def page_bound_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pa
             u = sum(max(float(q[h, 0, j]) * float(keys[:, j].min()), float(q[h, 0, j]) * float(keys[:, j].max()))
                     for j in range(d))
             bound[p] = max(float(bound[p]), u)
-    first = -(-max(sinks, 1) // page)
-    take = min(max(budget // page, first, 1), n_pages)
+    first, take = pages_taken(n_pages, budget, page, sinks)
     if take >= n_pages:
         read = list(range(n))
     else:

@@ -34,7 +34,7 @@ from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.registry import register
 from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
-from cotserve.policies.sfi.fallback import page_bound_attention, page_bounds
+from cotserve.policies.sfi.fallback import entries_read, page_bound_attention, page_bounds
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class SFIPolicy(Policy):
         # evidence of the current forward's refreshing slots: slot -> per layer
         # (f [H, n], now, support instability [H] or None)
         self.evidence: dict[int, list[tuple[torch.Tensor, int, torch.Tensor | None] | None]] = {}
-        # unstable-head fallback: which (layer, slot, KV head) read densely on fast steps
+        # unstable-head fallback: which (layer, slot, KV head) take the fallback read on fast steps
         self.n_dense = round(cfg.dense_heads * L * H)
         self.dense_by_layer: list[list[tuple[int, int]]] = []
         self.set_dense_heads(torch.zeros(L, B, H, dtype=torch.bool, device=dev))
@@ -220,8 +220,8 @@ class SFIPolicy(Policy):
         slot b's `n_dense` KV heads (over all layers) with the largest support instability
         (`selector.support_instability`, averaged over this sequence's refreshes so far, bootstrap
         included: whether a head retrieves is a property of the head, and one refresh's 8 rows
-        are a small sample) above `dense_min` read the whole history on fast steps, the others
-        their SFI selection."""
+        are a small sample) above `dense_min` take the fallback read on fast steps (`_dense_head`),
+        the others their SFI selection."""
         layers = [i for i, item in enumerate(per_layer) if item is not None]
         lt = torch.tensor(layers, device=self.dense.device)
         m = self.instab_count[b]
@@ -253,7 +253,7 @@ class SFIPolicy(Policy):
                     self.bounds[(layer, b, h)] = (kb, cache.compactions[layer][b])
 
     def set_dense_heads(self, dense: torch.Tensor) -> None:
-        """Which (layer, slot, KV head) read densely on fast steps from now on: bool [L, B, H]."""
+        """Which (layer, slot, KV head) take the fallback read on fast steps from now on: bool [L, B, H]."""
         self.dense = dense
         self.dense_frac = dense.float().mean(dim=(0, 2)).tolist()  # per slot, for the telemetry
         self.dense_by_layer = [[] for _ in range(self.n_layers)]
@@ -382,12 +382,10 @@ class SFIPolicy(Policy):
         """Entries outside the recent window that one fallback head of slot b reads this step (by
         layer 0's bounded pages: after a cache compaction, until the next refresh, an estimate)."""
         cfg = self.config
-        pages = self.bounded_pages[b]
-        first = -(-max(cfg.sinks, 1) // cfg.dense_page)
-        take = min(max(cfg.dense_budget // cfg.dense_page, first, 1), pages)
-        if cfg.dense_budget == 0 or take >= pages:
+        if cfg.dense_budget == 0:
             return outside
-        return max(0, min(outside, take * cfg.dense_page + self.wstart[b] - pages * cfg.dense_page))
+        read = entries_read(self.bounded_pages[b], cfg.dense_budget, cfg.dense_page, cfg.sinks, self.wstart[b])
+        return max(0, min(outside, read))
 
     def _dense_head(self, layer: int, b: int, h: int, q: torch.Tensor, out: torch.Tensor, batch: BatchState) -> None:
         """The fallback read of slot b's KV head h (its GQA group of query heads), written over the
