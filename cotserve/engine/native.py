@@ -18,6 +18,7 @@ import torch
 
 from cotserve.engine.batch import BatchState, ModelInfo
 from cotserve.engine.cache import CacheShape, KVCache
+from cotserve.engine.decoder import LeanDecoder, route_attention
 from cotserve.engine.sampling import SamplingParams, sample_next
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher, encode_chat
 from cotserve.errors import RequestError
@@ -38,13 +39,7 @@ def cotserve_attention(module, query, key, value, attention_mask, scaling=None, 
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    layer = module.layer_idx
-    if batch.mode == "prefill":
-        batch.cache.write_prefill(layer, key, value, batch.prompt_lens)
-        out = batch.policy.prefill_attention(layer, query, key, value, batch)
-    else:
-        batch.cache.write_decode(layer, key, value, batch.positions)
-        out = batch.policy.decode_attention(layer, query, batch)
+    out = route_attention(module.layer_idx, query, key, value, batch)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -103,7 +98,7 @@ class Completion:
 class NativeEngine:
     """Batched generation with cotserve's cache and policies on a transformers model."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 8, cuda_graphs: bool = True):
+    def __init__(self, loaded: LoadedModel, max_batch: int = 8, cuda_graphs: bool = True, lean: bool = True):
         _register_attention()
         self.cuda_graphs = cuda_graphs
         self.loaded = loaded
@@ -128,6 +123,8 @@ class NativeEngine:
         )
         self.scaling = self.model.model.layers[0].self_attn.scaling
         self.eos_ids = self._eos_ids()
+        # the lean decoder stack (engine/decoder.py) when the model's layout allows it
+        self.lean = LeanDecoder(self.model) if lean and LeanDecoder.supports(self.model) else None
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -150,7 +147,22 @@ class NativeEngine:
 
     # -- forward --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: BatchState) -> torch.Tensor:
-        """Run the decoder stack; returns the final-norm hidden states [B, T, H]."""
+        """Run the decoder stack; returns the final-norm hidden states [B, T, H]. The lean stack
+        (`decoder.LeanDecoder`) when the model allows it and no forward hook is registered on a
+        decoder layer (hooks only fire on the module path), else transformers' modules."""
+        if self.lean is None or self._layers_hooked():
+            return self.forward_reference(input_ids, position_ids, batch)
+        hidden = self.lean.forward(input_ids, position_ids, batch)
+        batch.hidden = hidden
+        return hidden
+
+    def _layers_hooked(self) -> bool:
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.model.model.layers)
+
+    def forward_reference(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: BatchState
+                          ) -> torch.Tensor:
+        """The decoder stack through transformers' own layer modules (attention routed to
+        `cotserve_attention`): the reference the lean stack is tested against."""
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids)
         pos_emb = inner.rotary_emb(hidden, position_ids=position_ids)
@@ -164,7 +176,8 @@ class NativeEngine:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()
+        out = self.lean.logits(hidden) if self.lean is not None else None
+        return out if out is not None else self.model.lm_head(hidden).float()
 
     # -- generation -----------------------------------------------------------------------
     def check_request(self, req: GenRequest) -> None:

@@ -1,0 +1,195 @@
+"""A lean decoder stack for Llama-family models (Llama, Mistral, Qwen2, Qwen3): the same
+computation as transformers' modules, written as a short loop of tensor ops (gpt-fast /
+nano-vllm style) over the same weights.
+
+Why: at decode a step's tensors are tiny ([batch, 1, hidden]), so on a CPU the per-op and per-
+module overhead of the transformers forward (hooks, kwargs plumbing, the attention interface,
+separate q/k/v and gate/up projections) is a large share of a step. Here q/k/v are one
+projection and gate/up another (their weights concatenated once; the original modules' weights
+become views of the fused ones, so no memory is duplicated and the transformers path keeps
+working), RMSNorm is one `rms_norm` op, and attention goes straight to cotserve's cache and policy
+stack (`route_attention`). `NativeEngine` uses it whenever `LeanDecoder.supports(model)`; the
+transformers forward (`NativeEngine.forward_reference`) stays as the reference the tests compare
+it with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from cotserve.engine.batch import BatchState
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def route_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchState) -> torch.Tensor:
+    """Write this forward's K/V into the cache and ask the policy stack for the attention output.
+    q [B, Hq, T, D], k/v [B, Hkv, T, D] (RoPE applied). Returns [B, Hq, T, D]."""
+    if batch.mode == "prefill":
+        batch.cache.write_prefill(layer, k, v, batch.prompt_lens)
+        return batch.policy.prefill_attention(layer, q, k, v, batch)
+    batch.cache.write_decode(layer, k, v, batch.positions)
+    return batch.policy.decode_attention(layer, q, batch)
+
+
+def _fuse(modules: list[torch.nn.Module]) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
+    """Concatenate the weights (and biases) of linear-like modules along the output dim; the
+    modules' own weights become views of the fused tensor."""
+    weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in modules]), requires_grad=False)
+    has_bias = [getattr(m, "bias", None) is not None for m in modules]
+    bias = None
+    if any(has_bias):
+        parts = [m.bias.detach() if m.bias is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype,
+                 device=weight.device) for m in modules]
+        bias = torch.nn.Parameter(torch.cat(parts), requires_grad=False)
+    row = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight.detach()[row : row + n], requires_grad=False)
+        if bias is not None and m.bias is not None:
+            m.bias = torch.nn.Parameter(bias.detach()[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+@dataclass
+class _Weight:
+    """One projection's weight: the plain tensor, and on a CPU with oneDNN a copy pre-packed in
+    oneDNN's blocked layout (`packed`; the plain matmul re-lays the weight out on every call,
+    which at decode's few rows costs about as much as the product itself)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None = None
+
+
+def _prepack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """oneDNN's pre-packed layout of a CPU weight (for about `rows` input rows), or None where
+    oneDNN is not available or does not take the weight."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _linear(x: torch.Tensor, w: _Weight) -> torch.Tensor:
+    """x @ W^T (+ b), with the weight-only cast of `models.WeightOnlyLinear` when W is narrower
+    than x (the product, rounded to W's dtype, is cast back; the bias is added after)."""
+    xin = x.to(w.weight.dtype)
+    if w.packed is not None:
+        y = torch.ops.mkldnn._linear_pointwise(xin, w.packed, None, "none", [], "")
+    else:
+        y = torch.nn.functional.linear(xin, w.weight)
+    y = y.to(x.dtype)
+    return y if w.bias is None else y + w.bias
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps1: float
+    eps2: float
+    qkv: _Weight
+    o: _Weight
+    gate_up: _Weight
+    down: _Weight
+    q_norm: torch.nn.Module | None  # Qwen3's per-head RMSNorm of q and k, before RoPE
+    k_norm: torch.nn.Module | None
+
+
+class LeanDecoder:
+    """The decoder stack of a supported model as plain tensor ops (see the module docstring)."""
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """Llama-family layout: RMSNorms, q/k/v/o projections, a SiLU-gated MLP, RoPE from the
+        model's own rotary module."""
+        cfg = model.config
+        if getattr(cfg, "model_type", None) not in SUPPORTED or getattr(cfg, "hidden_act", "silu") != "silu":
+            return False
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None or not hasattr(inner, "rotary_emb"):
+            return False
+        need = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+        return all(hasattr(getattr(layer, part, None), name) for layer in layers for part, names in need.items()
+                   for name in names)
+
+    def __init__(self, model: torch.nn.Module, prepack: bool = True, rows: int = 8):
+        cfg = model.config
+        self.inner = model.model
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.layers: list[_Layer] = []
+        for layer in self.inner.layers:
+            att, mlp = layer.self_attn, layer.mlp
+
+            def weight(w: torch.Tensor, b: torch.Tensor | None) -> _Weight:
+                return _Weight(w, b, _prepack(w, rows) if prepack else None)
+
+            qkv = weight(*_fuse([att.q_proj, att.k_proj, att.v_proj]))
+            gate_up = weight(*_fuse([mlp.gate_proj, mlp.up_proj]))
+            self.layers.append(_Layer(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                eps1=_eps(layer.input_layernorm), eps2=_eps(layer.post_attention_layernorm),
+                qkv=qkv, o=weight(att.o_proj.weight, getattr(att.o_proj, "bias", None)),
+                gate_up=gate_up, down=weight(mlp.down_proj.weight, getattr(mlp.down_proj, "bias", None)),
+                q_norm=getattr(att, "q_norm", None), k_norm=getattr(att, "k_norm", None)))
+        self.final_norm = self.inner.norm
+        head = getattr(model, "lm_head", None)
+        self.head = None
+        if head is not None and isinstance(getattr(head, "weight", None), torch.Tensor):
+            self.head = _Weight(head.weight, getattr(head, "bias", None),
+                                _prepack(head.weight, rows) if prepack else None)
+        self.split = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                      self.num_kv_heads * self.head_dim)
+        self.inter = self.layers[0].gate_up.weight.shape[0] // 2 if self.layers else 0
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: BatchState) -> torch.Tensor:
+        """The decoder stack: [B, T] ids -> final-norm hidden states [B, T, hidden]."""
+        hidden = self.inner.embed_tokens(input_ids)
+        cos, sin = self.inner.rotary_emb(hidden, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]: broadcast over heads
+        b, t, width = hidden.shape
+        d = self.head_dim
+        rms_norm = torch.nn.functional.rms_norm
+        for i, w in enumerate(self.layers):
+            hidden = batch.policy.steer(i, hidden, batch)
+            x = rms_norm(hidden, (width,), w.ln1, w.eps1)
+            q, k, v = _linear(x, w.qkv).split(self.split, dim=-1)
+            q = q.view(b, t, -1, d)
+            k = k.view(b, t, -1, d)
+            if w.q_norm is not None:
+                q, k = w.q_norm(q), w.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(b, t, -1, d).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            att = route_attention(i, q, k, v, batch)  # [B, Hq, T, D]
+            hidden = hidden + _linear(att.transpose(1, 2).reshape(b, t, -1), w.o)
+            x = rms_norm(hidden, (width,), w.ln2, w.eps2)
+            gate, up = _linear(x, w.gate_up).split(self.inter, dim=-1)
+            hidden = hidden + _linear(torch.nn.functional.silu(gate) * up, w.down)
+        return self.final_norm(hidden)
+
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """LM-head logits (float32) of hidden states [..., hidden], or None when the model's head
+        is not a plain linear layer (the caller then uses the module)."""
+        return None if self.head is None else _linear(hidden, self.head).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
