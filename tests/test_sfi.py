@@ -16,12 +16,10 @@ from cotserve.policies.registry import build_policy, parse_options
 from cotserve.policies.sfi import RefreshTrigger, SFIConfig
 from cotserve.policies.sfi.attention import fast_attention, fast_attention_reference, slow_attention
 from cotserve.policies.sfi.fallback import (
-    batched_page_bound_attention,
     page_bound_attention,
     page_bound_reference,
     page_bounds,
     page_scores,
-    stack_bounds,
 )
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_positions
 
@@ -236,31 +234,6 @@ def test_page_bound_fallback_read_matches_its_loop_reference(n, budget, page, si
     scores = page_scores(q[:, 0], bounds)
     for p in range(pages):
         assert float((k[p * page : (p + 1) * page] @ q[:, 0].T).max()) <= float(scores[p]) + 1e-5
-
-
-def test_batched_page_bound_read_equals_the_per_head_read():
-    """The policy's batched fallback read (all fallback heads of a layer at once, different slots,
-    lengths and page counts, padded) equals `page_bound_attention` head by head, including a head
-    with fewer pages than the budget (reads everything) and one with no full page."""
-    g = torch.Generator().manual_seed(11)
-    slots, heads, cap, d, page = 3, 2, 160, 8, 4
-    k = torch.randn(1, slots, heads, cap, d, generator=g)
-    v = torch.randn(1, slots, heads, cap, d, generator=g)
-    lens = torch.tensor([150, 97, 18])
-    cases = [(0, 1, 30), (1, 0, 20), (2, 1, 0), (0, 0, 33)]  # (slot, head, bounded pages)
-    for budget, sinks in ((48, 4), (48, 6), (4, 1), (1000, 4)):
-        q = torch.randn(len(cases), 3, d, generator=g)
-        bounds, pages = stack_bounds([page_bounds(k[0, b, h, : p * page], page) for b, h, p in cases])
-        sl = torch.tensor([c[0] for c in cases])
-        hd = torch.tensor([c[1] for c in cases])
-        row0 = (sl * heads + hd) * cap
-        got = batched_page_bound_attention(q, k.view(-1, d), v.view(-1, d), row0, lens[sl], bounds, pages, budget,
-                                           page, 0.3, sinks)
-        for i, (b, h, p) in enumerate(cases):
-            n = int(lens[b])
-            want, _ = page_bound_attention(q[i, :, None], k[0, b, h, :n], v[0, b, h, :n],
-                                           page_bounds(k[0, b, h, : p * page], page), budget, page, 0.3, sinks)
-            assert torch.allclose(got[i], want[:, 0], atol=1e-5), (budget, sinks, i)
 
 
 def test_page_bound_fallback_finds_a_retrieved_key_far_back():

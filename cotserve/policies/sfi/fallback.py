@@ -15,9 +15,6 @@ share the KV head) are read, together with the first pages (those holding the si
 of the last bounded page on (the recent window and entries written since the bounds were taken).
 Bounds are taken once per refresh, for the chosen heads only, over the full pages that lie before
 the window at that time. `dense_budget = 0` reads the whole history (exact).
-
-`page_bound_attention` is one head; `batched_page_bound_attention` is the same read for all the
-fallback heads of a layer at once (the policy's fast path; tested equal to the per-head form).
 """
 
 from __future__ import annotations
@@ -81,48 +78,6 @@ def page_bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boun
     # plain 2-D products (this runs per head and step: fewer ops than the batched grouped_attention)
     w = torch.softmax(torch.mm(qg * scaling, kk.t()).float(), dim=-1).to(vv.dtype)  # [G, T]
     return torch.mm(w, vv).unsqueeze(1), int(idx.numel())
-
-
-def stack_bounds(bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Several heads' `page_bounds` [2D, P_i] as one zero-padded [N, 2D, max P_i], and the page
-    counts P_i [N] (the padding is masked by `batched_page_bound_attention`)."""
-    n_pages = torch.tensor([b.shape[1] for b in bounds], dtype=torch.long, device=bounds[0].device)
-    out = bounds[0].new_zeros(len(bounds), bounds[0].shape[0], int(n_pages.max()))
-    for i, b in enumerate(bounds):
-        out[i, :, : b.shape[1]] = b
-    return out, n_pages
-
-
-def batched_page_bound_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, row0: torch.Tensor,
-                                 lens: torch.Tensor, bounds: torch.Tensor, n_pages: torch.Tensor, budget: int,
-                                 page: int, scaling: float, sinks: int = 1) -> torch.Tensor:
-    """`page_bound_attention` for N heads at once: q [N, G, D]; their entries are rows
-    `row0[i] .. row0[i] + lens[i] - 1` of the flat K/V views k_rows / v_rows [rows, D]; bounds
-    [N, 2D, Pmax] and page counts [N] from `stack_bounds`. Every head reads the same entries as
-    `page_bound_attention` would (its sink pages, its best `budget // page` bounded pages, all
-    entries after its bounded pages; everything when that takes all its pages): the pages are
-    ranked over the padded width, padding and pages beyond a head's count masked out.
-    Returns [N, G, D]."""
-    nh, g, d = q.shape
-    p_max = bounds.shape[-1]
-    first, take = pages_taken(p_max, budget, page, sinks)
-    qf = q.float()
-    scores = torch.bmm(torch.cat([qf.clamp_min(0.0), qf.clamp_max(0.0)], dim=-1), bounds).amax(dim=1)  # [N, Pmax]
-    pages = torch.arange(p_max, device=q.device)
-    scores.masked_fill_(pages >= n_pages.unsqueeze(1), float("-inf"))
-    scores[:, :first] = float("inf")  # the sink pages (masked below where a head has fewer pages)
-    top = torch.topk(scores, take, dim=-1, sorted=False).indices  # [N, take]
-    page_ok = (top < n_pages.unsqueeze(1)).repeat_interleave(page, dim=1)
-    rows = (top.unsqueeze(-1) * page + torch.arange(page, device=q.device)).view(nh, take * page)
-    start = n_pages * page  # the tail: every entry after the bounded pages
-    tail = start.unsqueeze(1) + torch.arange(int((lens - start).clamp_min(0).max()), device=q.device)
-    tail_ok = tail < lens.unsqueeze(1)
-    idx = torch.cat([rows, tail.masked_fill(~tail_ok, 0)], dim=1) + row0.unsqueeze(1)
-    ok = torch.cat([page_ok, tail_ok], dim=1)  # [N, T]
-    kk = torch.index_select(k_rows, 0, idx.view(-1)).view(nh, -1, d)
-    vv = torch.index_select(v_rows, 0, idx.view(-1)).view(nh, -1, d)
-    logits = torch.bmm(q * scaling, kk.transpose(1, 2)).float().masked_fill_(~ok.unsqueeze(1), float("-inf"))
-    return torch.bmm(torch.softmax(logits, dim=-1).to(vv.dtype), vv)
 
 
 def page_bound_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_pages: int, budget: int,

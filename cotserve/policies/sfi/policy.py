@@ -34,12 +34,7 @@ from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.registry import register
 from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
-from cotserve.policies.sfi.fallback import (
-    batched_page_bound_attention,
-    entries_read,
-    page_bounds,
-    stack_bounds,
-)
+from cotserve.policies.sfi.fallback import entries_read, page_bound_attention, page_bounds
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
@@ -163,9 +158,6 @@ class SFIPolicy(Policy):
         # (bounds [2D, pages], cache compaction epoch); bounded pages per slot
         self.bounds: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}
         self.bounded_pages = [0] * B
-        # per layer, those bounds stacked for the batched read: ((slot, head) keys, slots, heads,
-        # bounds [N, 2D, Pmax], pages [N]); rebuilt when a slot refreshes
-        self.bound_stacks: list[tuple | None] = [None] * L
 
     # -- selection and packing -------------------------------------------------------------
     def _stash_evidence(self, layer: int, b: int, logits: torch.Tensor, row_pos: list[int], n: int,
@@ -228,7 +220,7 @@ class SFIPolicy(Policy):
         slot b's `n_dense` KV heads (over all layers) with the largest support instability
         (`selector.support_instability`, averaged over this sequence's refreshes so far, bootstrap
         included: whether a head retrieves is a property of the head, and one refresh's 8 rows
-        are a small sample) above `dense_min` take the fallback read on fast steps (`_fallback`),
+        are a small sample) above `dense_min` take the fallback read on fast steps (`_dense_head`),
         the others their SFI selection."""
         layers = [i for i, item in enumerate(per_layer) if item is not None]
         lt = torch.tensor(layers, device=self.dense.device)
@@ -251,7 +243,6 @@ class SFIPolicy(Policy):
         for key in [key for key in self.bounds if key[1] == b]:
             del self.bounds[key]
         if cfg.dense_budget == 0:
-            self._stack_bounds()
             return
         self.bounded_pages[b] = max(0, int(cache.lens[0, b]) - cfg.recent) // cfg.dense_page  # for telemetry
         for layer, heads in enumerate(self.dense_by_layer):
@@ -260,22 +251,6 @@ class SFIPolicy(Policy):
                 if slot == b:
                     kb = page_bounds(cache.k[layer, b, h, : pages * cfg.dense_page], cfg.dense_page)
                     self.bounds[(layer, b, h)] = (kb, cache.compactions[layer][b])
-        self._stack_bounds()
-
-    def _stack_bounds(self) -> None:
-        """Stack each layer's page bounds (every slot's) for `batched_page_bound_attention`."""
-        per_layer: list[list[tuple[int, int]]] = [[] for _ in range(self.n_layers)]
-        for layer, b, h in self.bounds:
-            per_layer[layer].append((b, h))
-        for layer, keys in enumerate(per_layer):
-            if not keys:
-                self.bound_stacks[layer] = None
-                continue
-            keys.sort()
-            stacked, pages = stack_bounds([self.bounds[(layer, b, h)][0] for b, h in keys])
-            dev = stacked.device
-            self.bound_stacks[layer] = (keys, torch.tensor([b for b, _ in keys], device=dev),
-                                        torch.tensor([h for _, h in keys], device=dev), stacked, pages)
 
     def set_dense_heads(self, dense: torch.Tensor) -> None:
         """Which (layer, slot, KV head) take the fallback read on fast steps from now on: bool [L, B, H]."""
@@ -380,9 +355,10 @@ class SFIPolicy(Policy):
         self.ring[layer, self.bidx, :, self.ptr_t] = q[:, :, 0]
         if self.any_fast:
             out = self._fast(layer, q, batch)
-            heads = [(b, h) for b, h in self.dense_by_layer[layer] if b not in self.slow_slots and self.active_now[b]]
-            if heads:
-                self._fallback(layer, heads, q, out, batch)
+            slow = self.slow_slots
+            for b, h in self.dense_by_layer[layer]:
+                if b not in slow and self.active_now[b]:
+                    self._dense_head(layer, b, h, q, out, batch)
         else:
             out = torch.zeros_like(q)
         for b in self.slow_slots:
@@ -414,33 +390,24 @@ class SFIPolicy(Policy):
         read = entries_read(self.bounded_pages[b], cfg.dense_budget, cfg.dense_page, cfg.sinks, self.wstart[b])
         return max(0, min(outside, read))
 
-    def _fallback(self, layer: int, heads: list[tuple[int, int]], q: torch.Tensor, out: torch.Tensor,
-                  batch: BatchState) -> None:
-        """The fallback read of this layer's fallback heads `heads` (slot, KV head), written over
-        the fast step's output for their GQA groups: Quest page bounds pick `dense_budget`
-        entries, for every head with bounds at once (`fallback.batched_page_bound_attention`;
-        a slot taking a slow step overwrites its rows afterwards, an inactive slot's are unused);
-        with `dense_budget=0`, or bounds made stale by a cache compaction, dense attention over
-        the whole history, per head, written last."""
-        cache, cfg = batch.cache, self.config
-        hkv = self.dense.shape[-1]
-        g = self.hq // hkv
-        stack = self.bound_stacks[layer]
-        if stack is not None:
-            _, slots, kv_heads, bounds, pages = stack
-            _, nb, nh, cap, d = cache.k.shape
-            row0 = ((layer * nb + slots) * nh + kv_heads) * cap
-            o = batched_page_bound_attention(q.view(q.shape[0], hkv, g, -1)[slots, kv_heads], cache.k.view(-1, d),
-                                             cache.v.view(-1, d), row0, cache.lens[layer, slots], bounds, pages,
-                                             cfg.dense_budget, cfg.dense_page, batch.scaling, cfg.sinks)
-            out.view(out.shape[0], hkv, g, -1)[slots, kv_heads] = o.to(out.dtype)
-        for b, h in heads:
-            bounds = self.bounds.get((layer, b, h))
-            if bounds is None or bounds[1] != cache.compactions[layer][b]:
-                n = self.lens[b]
-                kv = (cache.k[layer, b : b + 1, h : h + 1, :n], cache.v[layer, b : b + 1, h : h + 1, :n])
-                grp = slice(h * g, (h + 1) * g)
-                out[b : b + 1, grp] = grouped_attention(q[b : b + 1, grp], *kv, None, batch.scaling)
+    def _dense_head(self, layer: int, b: int, h: int, q: torch.Tensor, out: torch.Tensor, batch: BatchState) -> None:
+        """The fallback read of slot b's KV head h (its GQA group of query heads), written over the
+        fast step's output for that group: Quest page bounds pick `dense_budget` entries
+        (`fallback.page_bound_attention`), or, with `dense_budget=0` or bounds made stale by a
+        cache compaction, dense attention over the whole history."""
+        n = self.lens[b]
+        g = self.hq // self.dense.shape[-1]
+        grp = slice(h * g, (h + 1) * g)
+        cache = batch.cache
+        bounds = self.bounds.get((layer, b, h))
+        if bounds is not None and bounds[1] == cache.compactions[layer][b]:
+            o, _ = page_bound_attention(q[b, grp], cache.k[layer, b, h, :n], cache.v[layer, b, h, :n], bounds[0],
+                                        self.config.dense_budget, self.config.dense_page, batch.scaling,
+                                        self.config.sinks)
+            out[b, grp] = o
+            return
+        kv = (cache.k[layer, b : b + 1, h : h + 1, :n], cache.v[layer, b : b + 1, h : h + 1, :n])
+        out[b : b + 1, grp] = grouped_attention(q[b : b + 1, grp], *kv, None, batch.scaling)
 
     def after_forward(self, batch: BatchState) -> None:
         if batch.mode != "decode":
