@@ -26,6 +26,12 @@ def test_interleaved_decode_gives_each_policy_its_own_tokens_and_rows(engine):
         assert row["decode_s"] > 0 and row["decode_tok_s"] > 0 and row["prefill_s"] > 0
         assert "decode_s" not in row.get("telemetry", {})
     assert rows[1]["telemetry"]["sfi_slow_steps"] >= 1 and 0 < rows[1]["telemetry"]["sfi_retained_ratio"] < 1
+    # how SFI's fast step ran: float32 here (the test model), the kernel where it builds
+    from cotserve.kernels import cpu_decode
+
+    assert rows[1]["implementation"] == {"fast_step": "cpu_kernel" if cpu_decode.available() else "torch",
+                                         "compact_dtype": "float32"}
+    assert "implementation" not in rows[0]
     # the sequential form still works and counts the same tokens
     seq = time_native(engine, prompts, 12, "dense", {})
     assert seq["generated_tokens"] == rows[0]["generated_tokens"]

@@ -63,6 +63,60 @@ def test_fast_attention_equals_reference_over_the_same_positions():
     assert not torch.allclose(twice, ref, atol=1e-4)
 
 
+def _kernel_layout(ck: torch.Tensor) -> torch.Tensor:
+    """[B, H, C, D] -> the C++ kernel's blocked keys [B, H, C / 16, D, 16] (C padded to 16)."""
+    b, h, c, d = ck.shape
+    pad = -(-c // 16) * 16
+    full = ck.new_zeros(b, h, pad, d)
+    full[:, :, :c] = ck
+    return full.view(b, h, pad // 16, 16, d).transpose(-1, -2).contiguous()
+
+
+@pytest.mark.parametrize(("grp", "d", "c_dtype"), [(3, 64, torch.float32), (3, 64, torch.bfloat16),
+                                                    (4, 128, torch.bfloat16), (2, 16, torch.float32),
+                                                    (5, 24, torch.bfloat16)])
+def test_cpu_kernel_equals_reference_on_random_inputs(grp, d, c_dtype):
+    """The C++ fast step (compile-time and generic shapes) against the plain reference: ragged
+    windows, masked compact entries, a slot with an empty window, a head with nothing compact.
+    A bf16 compact buffer is compared with the reference over the same bf16-rounded entries."""
+    from cotserve.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(grp * d)
+    b, hkv, s, c = 3, 2, 90, 37
+    q = torch.randn(b, hkv * grp, 1, d, generator=g)
+    kc = torch.randn(b, hkv, s, d, generator=g)
+    vc = torch.randn(b, hkv, s, d, generator=g)
+    lens = torch.tensor([90, 70, 40])
+    wstart = torch.tensor([70, 58, 40])  # slot 2: empty window
+    idx = torch.stack([torch.stack([torch.randperm(int(wstart[i]), generator=g)[:c] for _ in range(hkv)])
+                       for i in range(b)])  # [B, H, C]
+    cmask = torch.rand(b, hkv, c, generator=g) > 0.2
+    cmask[1, 0] = False  # nothing compact for this head
+    ck = torch.gather(kc, 2, idx.unsqueeze(-1).expand(-1, -1, -1, d)).to(c_dtype)
+    cv = torch.gather(vc, 2, idx.unsqueeze(-1).expand(-1, -1, -1, d)).to(c_dtype)
+    pad = -(-c // 16) * 16
+    cmask_p = torch.zeros(b, hkv, pad, dtype=torch.bool)
+    cmask_p[:, :, :c] = cmask
+    cv_p = cv.new_zeros(b, hkv, pad, d)
+    cv_p[:, :, :c] = cv
+    out = cpu_decode.two_source_decode(q.view(b, hkv, grp, d), _kernel_layout(ck), cv_p, cmask_p, kc, vc, wstart,
+                                       lens, 0.3)
+    # reference: the same entries (bf16-rounded where stored so), read once each
+    kr, vr = kc.clone(), vc.clone()
+    read = torch.zeros(b, hkv, s, dtype=torch.bool)
+    for bi in range(b):
+        for h in range(hkv):
+            sel = idx[bi, h][cmask[bi, h]]
+            kr[bi, h, sel] = ck[bi, h][cmask[bi, h]].float()
+            vr[bi, h, sel] = cv[bi, h][cmask[bi, h]].float()
+            read[bi, h, sel] = True
+            read[bi, h, int(wstart[bi]) : int(lens[bi])] = True
+    ref = fast_attention_reference(q, kr, vr, read, 0.3)
+    assert torch.allclose(out.view(b, hkv * grp, 1, d), ref, atol=1e-5)
+
+
 def test_slow_attention_is_dense_for_the_current_row_and_returns_all_rows_logits():
     g = torch.Generator().manual_seed(1)
     hkv, grp, w, s, d = 3, 3, 4, 40, 8
@@ -159,8 +213,9 @@ def test_sfi_equals_dense_when_sink_k_recent_cover_the_context(engine):
     # tiny recent window + k covering everything + frequent refreshes: every step mixes compact and
     # window reads, and slow steps happen, yet the logits must be dense's
     opts = {"recent": 6, "k": 4096, "sinks": 4, "max_interval": 5, "min_gap": 2, "cooldown": 1}
-    sfi = _run(engine, prompts, "sfi", opts, forced)
-    for d, s in zip(dense, sfi, strict=True):
+    sfi = _run(engine, prompts, "sfi", opts, forced)  # the C++ fast step where it builds
+    sfi_torch = _run(engine, prompts, "sfi", {**opts, "kernel": "torch"}, forced)
+    for d, s in [*zip(dense, sfi, strict=True), *zip(dense, sfi_torch, strict=True)]:
         assert s.token_ids == d.token_ids
         assert s.greedy_ids == d.greedy_ids
         assert (d.logprobs.float().exp() - s.logprobs.float().exp()).abs().max() < 2e-3
@@ -173,6 +228,27 @@ def test_sfi_equals_dense_when_sink_k_recent_cover_the_context(engine):
         assert 0.0 < s.telemetry["sfi_retained_ratio"] < 0.9
         assert 0.0 < s.telemetry["sfi_slow_step_ratio"] < 0.5
     assert any((d.logprobs.float() - s.logprobs.float()).abs().max() > 0.05 for d, s in zip(dense, sparse, strict=True))
+
+
+def test_kernel_and_torch_fast_steps_agree_in_the_engine(engine):
+    """A sparse SFI decode through the C++ fast step equals the torch one (same tokens, logprobs
+    to float rounding); a bf16 compact buffer stays close to the float32 one."""
+    from cotserve.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    prompts = [engine.encode_prompt(p) for p in PROMPTS]
+    forced = [r.token_ids for r in _run(engine, prompts, "dense")]
+    sparse = {"recent": 6, "k": 8, "max_interval": 6}
+    kern = _run(engine, prompts, "sfi", sparse, forced)
+    torch_path = _run(engine, prompts, "sfi", {**sparse, "kernel": "torch"}, forced)
+    bf16 = _run(engine, prompts, "sfi", {**sparse, "compact_dtype": "bfloat16"}, forced)
+    for a, t, h in zip(kern, torch_path, bf16, strict=True):
+        assert a.greedy_ids == t.greedy_ids
+        assert (a.logprobs.float().exp() - t.logprobs.float().exp()).abs().max() < 1e-3
+        assert (a.logprobs.float().exp() - h.logprobs.float().exp()).abs().max() < 0.05
+        sfi_keys = [k for k in a.telemetry if k.startswith("sfi_")]
+        assert sfi_keys and all(a.telemetry[k] == t.telemetry[k] for k in sfi_keys)
 
 
 def test_dense_head_fallback_reads_the_whole_history(engine):

@@ -44,6 +44,7 @@ def time_native(engine: NativeEngine, prompts: list[list[int]], new_tokens: int,
         results.extend(d.result for d in deltas if d.result is not None)
     _sync(dev)
     out = _row(stack.name, first_token_at - t0, time.perf_counter() - first_token_at, results)
+    _describe(out, stack)
     if dev.type == "cuda":
         out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return out
@@ -72,6 +73,13 @@ def _row(policy: str, prefill_s: float, decode_s: float, results: list, skip: tu
             vals = [t[key] for t in tele if isinstance(t.get(key), (int, float))]
             out.setdefault("telemetry", {})[key] = round(sum(vals) / len(vals), 4)
     return out
+
+
+def _describe(row: dict[str, Any], stack) -> None:
+    """Add the policies' own account of how they ran (`Policy.describe`) to a result row."""
+    info = {k: v for p in stack.parts for k, v in p.describe().items()}
+    if info:
+        row["implementation"] = info
 
 
 @torch.inference_mode()
@@ -139,6 +147,8 @@ def time_native_interleaved(engine: NativeEngine, prompts: list[list[int]], new_
             st["results"].extend(d.result for d in deltas if d.result is not None)
     rows = [_row(st["stack"].name, st["prefill_s"], st["decode_s"], st["results"], skip=("decode_s", "decode_tok_s"))
             for st in state]
+    for row, st in zip(rows, state, strict=True):
+        _describe(row, st["stack"])
     return rows, [st["results"] for st in state]
 
 

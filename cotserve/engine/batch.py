@@ -23,6 +23,7 @@ class ModelInfo:
     max_positions: int
     tokenizer: Any = None
     model_name: str = ""
+    weight_dtype: torch.dtype | None = None  # the linear layers' dtype when narrower than the compute dtype (bf16w)
 
 
 @dataclass

@@ -122,6 +122,10 @@ class Policy:
     def telemetry(self, slot: int) -> dict[str, Any]:
         return {}
 
+    def describe(self) -> dict[str, Any]:
+        """Facts about how this policy ran (e.g. which implementation), for benchmark reports."""
+        return {}
+
 
 @dataclass
 class PolicyStack:

@@ -9,6 +9,8 @@ from cotserve.policies.base import PolicyConfig
 
 TRIGGERS = ("boundary", "fixed_periodic", "disabled")
 FUSIONS = ("geometric", "linear")
+KERNELS = ("auto", "torch")
+COMPACT_DTYPES = ("auto", "cache", "bfloat16")
 
 
 @dataclass
@@ -45,6 +47,9 @@ class SFIConfig(PolicyConfig):
     dense_min: float = 0.01  # ... and only heads whose support_instability exceeds this
     dense_budget: int = 1024  # entries a fallback head reads per step by Quest page bounds (0 = all)
     dense_page: int = 4  # page size of those bounds (Quest uses 16; see README for the choice)
+    # fast-step implementation (ours; results equal up to float rounding)
+    kernel: str = "auto"  # auto: the C++ CPU kernel (kernels/cpu_decode.cpp) on a CPU when it builds | torch
+    compact_dtype: str = "auto"  # auto: bfloat16 under the kernel with bf16 weights (bf16w), else cache | cache | bfloat16
 
     def validate(self) -> None:
         for name in ("sinks", "recent", "nms_window"):
@@ -59,6 +64,10 @@ class SFIConfig(PolicyConfig):
             raise ValueError(f"cooldown must be >= 0 (got {self.cooldown})")
         if self.trigger not in TRIGGERS:
             raise ValueError(f"trigger must be one of {', '.join(TRIGGERS)} (got {self.trigger!r})")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)} (got {self.kernel!r})")
+        if self.compact_dtype not in COMPACT_DTYPES:
+            raise ValueError(f"compact_dtype must be one of {', '.join(COMPACT_DTYPES)} (got {self.compact_dtype!r})")
         if self.fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {', '.join(FUSIONS)} (got {self.fusion!r})")
         if self.alpha < 0:

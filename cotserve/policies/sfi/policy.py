@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cotserve.kernels import cpu_decode
 from cotserve.policies import selector as sel
 from cotserve.policies.base import Axis, Policy, causal_prefill, grouped_attention
 from cotserve.policies.boundaries import sentence_end_ids
@@ -87,6 +88,25 @@ def select_from_evidence(cfg: SFIConfig, f: torch.Tensor, positions: torch.Tenso
     return sel.topk_per_head(logs, k_eff)
 
 
+def _use_kernel(cfg: SFIConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """The fast step runs the C++ kernel (`kernels/cpu_decode.cpp`) with `kernel=auto` on a CPU
+    with a float32 cache, where the kernel builds; otherwise the torch form (`fast_attention`)."""
+    return cfg.kernel == "auto" and device.type == "cpu" and dtype == torch.float32 and cpu_decode.available()
+
+
+def _compact_dtype(cfg: SFIConfig, cache_dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                   kernel: bool) -> torch.dtype:
+    """The compact buffers' dtype. bfloat16 only under the kernel (which widens entries to
+    float32 before any product; torch's matmuls would round the logits to bf16): by default when
+    the model's linear weights are bf16 (`--dtype bf16w`), whose v_proj outputs, hence the cached
+    values, are bf16 numbers already (keys are rounded after RoPE); else the cache's dtype."""
+    if not kernel or cfg.compact_dtype == "cache":
+        return cache_dtype
+    if cfg.compact_dtype == "bfloat16" or weight_dtype == torch.bfloat16:
+        return torch.bfloat16
+    return cache_dtype
+
+
 def mask_rows_inplace(logits: torch.Tensor, positions: torch.Tensor, row_pos: torch.Tensor, sinks: int) -> None:
     """Write -inf where a query row may not look: the sinks (always read, so not candidates) and,
     per row, entries newer than the row's own position (causal). logits [H, G, R, S], positions
@@ -120,10 +140,17 @@ class SFIPolicy(Policy):
         dev, dt = cache.device, cache.k.dtype
         self.hq = batch.info.num_heads
         self.C = cfg.sinks + min(cfg.k, shape.capacity)
-        # compact buffer: keys stored transposed ([D, C] per head: q.K^T is then a plain matmul,
-        # about twice as fast on CPU as one over a transposed view), values [C, D]
-        self.ckt = torch.zeros(L, B, H, D, self.C, dtype=dt, device=dev)
-        self.cv = torch.zeros(L, B, H, self.C, D, dtype=dt, device=dev)
+        self.kernel = _use_kernel(cfg, dev, dt)
+        cdt = _compact_dtype(cfg, dt, batch.info.weight_dtype, self.kernel)
+        if self.kernel:
+            # the C++ kernel's layout: keys in blocks of 16 entries, [C / 16, D, 16] per head
+            self.C = -(-self.C // 16) * 16
+            self.ckt = torch.zeros(L, B, H, self.C // 16, D, 16, dtype=cdt, device=dev)
+        else:
+            # keys stored transposed ([D, C] per head: q.K^T is then a plain matmul, about twice
+            # as fast on CPU as one over a transposed view)
+            self.ckt = torch.zeros(L, B, H, D, self.C, dtype=cdt, device=dev)
+        self.cv = torch.zeros(L, B, H, self.C, D, dtype=cdt, device=dev)
         self.cpos = torch.full((L, B, H, self.C), -1, dtype=torch.long, device=dev)
         w = cfg.obs_window
         self.ring = torch.zeros(L, B, self.hq, w, D, dtype=dt, device=dev)
@@ -277,7 +304,12 @@ class SFIPolicy(Policy):
         flat = (keys + row0.unsqueeze(-1)).view(-1)
         kk = torch.index_select(cache.k.view(-1, d), 0, flat).view(nl, h, m, d)
         vv = torch.index_select(cache.v.view(-1, d), 0, flat).view(nl, h, m, d)
-        self.ckt[sel, b, :, :, :m] = kk.transpose(-1, -2)
+        if self.kernel:  # blocks of 16 entries [C / 16, D, 16]; the entries after m are masked
+            full = kk.new_zeros(nl, h, self.C, d)
+            full[:, :, :m] = kk
+            self.ckt[sel, b] = full.view(nl, h, self.C // 16, 16, d).transpose(-1, -2)
+        else:
+            self.ckt[sel, b, :, :, :m] = kk.transpose(-1, -2)
         self.cv[sel, b, :, :m] = vv
 
     # -- prefill: dense causal attention + bootstrap selection ------------------------------
@@ -336,6 +368,7 @@ class SFIPolicy(Policy):
         ws = torch.tensor(self.wstart, device=dev).view(-1, 1)
         self.wmask = ((ar >= ws) & (ar < torch.tensor(self.lens, device=dev).view(-1, 1))).unsqueeze(1)
         wstart_t = ws.view(-1).clamp(max=batch.cache.capacity - 1)
+        self.wrange = (ws.view(-1), torch.tensor(self.lens, device=dev))  # the kernel's window rows
         self.any_fast = len(self.slow_slots) < sum(bool(a) for a in active) or not self.slow_slots
         if r > 0:  # position where each (layer, slot, head)'s window starts: [L, B, H]
             wpos = batch.cache.pos[:, self.bidx, :, wstart_t].permute(1, 0, 2)
@@ -376,6 +409,13 @@ class SFIPolicy(Policy):
 
     def _fast(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
         cache = batch.cache
+        if self.kernel:
+            b, hq, _, d = q.shape
+            hkv = self.ckt.shape[2]
+            out = cpu_decode.two_source_decode(q.view(b, hkv, hq // hkv, d), self.ckt[layer], self.cv[layer],
+                                               self.cmask[layer], cache.k[layer], cache.v[layer], *self.wrange,
+                                               batch.scaling)
+            return out.view(b, hq, 1, d)
         wk = cache.k[layer, :, :, self.lo : self.hi]
         wv = cache.v[layer, :, :, self.lo : self.hi]
         return fast_attention(q, self.ckt[layer], self.cv[layer], self.cmask[layer], wk, wv, self.wmask,
@@ -426,6 +466,10 @@ class SFIPolicy(Policy):
                 self.retained_sum[b] += min(1.0, (read[b] + wcount[b]) / max(self.lens[b], 1))
                 if self.n_dense > 0:
                     self.dense_sum[b] += self.dense_frac[b]
+
+    def describe(self) -> dict[str, Any]:
+        return {"fast_step": "cpu_kernel" if self.kernel else "torch",
+                "compact_dtype": str(self.cv.dtype).replace("torch.", "")}
 
     def telemetry(self, slot: int) -> dict[str, Any]:
         n = self.steps[slot]

@@ -1,0 +1,60 @@
+"""SFI's fast-step attention as one C++ CPU kernel (`cpu_decode.cpp`), built on first use with
+torch's extension builder (g++ and ninja; about a minute, then cached under
+`$COTSERVE_CACHE_DIR/torch_extensions`, default `~/.cache/cotserve/torch_extensions`).
+
+The torch form of the same computation is `policies.sfi.attention.fast_attention` (several ops,
+each a pass over memory, and an intermediate logits tensor); the plain reference both are tested
+against is `fast_attention_reference`. The kernel's own gain is reading each K/V row once; its
+larger one is a bfloat16 compact buffer, widened to float32 on load, so that every product,
+the softmax and the value sums stay float32 while the compact bytes halve (torch on a CPU has no
+bf16 x bf16 -> float32 matmul: the torch form would round the logits to bf16).
+`available()` is False where the build fails (no compiler): callers fall back to torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+_module: ModuleType | None = None
+_failed = False
+
+
+def _build() -> ModuleType | None:
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    try:
+        from torch.utils.cpp_extension import load
+
+        cache = Path(os.environ.get("COTSERVE_CACHE_DIR", Path.home() / ".cache" / "cotserve"))
+        build = cache / "torch_extensions" / f"cpu_decode_torch{torch.__version__.replace('+', '_')}"
+        build.mkdir(parents=True, exist_ok=True)
+        _module = load(name="cotserve_cpu_decode", sources=[str(Path(__file__).with_suffix(".cpp"))],
+                       extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    except Exception as exc:  # no compiler, no headers: the torch path serves instead
+        _failed = True
+        log.warning("cotserve: the CPU decode kernel did not build (%s); using the torch path", exc)
+    return _module
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it now if needed)."""
+    return _build() is not None
+
+
+def two_source_decode(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, cmask: torch.Tensor, wk: torch.Tensor,
+                      wv: torch.Tensor, wstart: torch.Tensor, wend: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of q [B, Hkv, G, D] (float32; the G query heads of each KV head) over the
+    compact entries ck / cv [B, Hkv, C, D] (float32 or bfloat16; rows with cmask [B, Hkv, C]
+    False are skipped) and the window rows wstart[b] .. wend[b] - 1 of wk / wv [B, Hkv, S, D]
+    (float32, e.g. one layer of the cache), through one softmax. Returns [B, Hkv, G, D] float32."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    return mod.two_source_decode(q, ck, cv, cmask, wk, wv, wstart, wend, float(scaling))
