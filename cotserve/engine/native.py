@@ -120,6 +120,7 @@ class NativeEngine:
             max_positions=getattr(cfg, "max_position_embeddings", 1 << 20),
             tokenizer=self.tokenizer,
             model_name=loaded.name,
+            weight_dtype=loaded.weight_dtype,
         )
         self.scaling = self.model.model.layers[0].self_attn.scaling
         self.eos_ids = self._eos_ids()
@@ -255,6 +256,7 @@ class NativeEngine:
             run.t_decode = time.perf_counter()
         while True:
             step_deltas: list[Delta] = []
+            greedy = logits.argmax(dim=-1).tolist()
             next_tokens = torch.full((bsz,), self.eos_default(), dtype=torch.long, device=self.device)
             for i, s in enumerate(slots):
                 if s.finish is not None:
@@ -263,7 +265,7 @@ class NativeEngine:
                     s.finish = "cancelled"
                     step_deltas.append(self._final(i, s, run, batch))
                     continue
-                tok, text = self._advance(s, logits[i])
+                tok, text = self._advance(s, logits[i], greedy[i])
                 next_tokens[i] = tok
                 batch.tokens[i].append(tok)
                 if s.finish is None:
@@ -288,16 +290,17 @@ class NativeEngine:
             logits = self.logits(hidden[:, -1])
             run.steps += 1
 
-    def _advance(self, s: _Slot, logits: torch.Tensor) -> tuple[int, str]:
-        """Choose one slot's next token; update its text, stop state and finish reason."""
+    def _advance(self, s: _Slot, logits: torch.Tensor, greedy: int) -> tuple[int, str]:
+        """Choose one slot's next token (`greedy`: the argmax of `logits`, taken for the whole
+        batch at once); update its text, stop state and finish reason."""
         r = s.req
-        s.greedy_ids.append(int(torch.argmax(logits)))
+        s.greedy_ids.append(greedy)
         if r.record_logprobs:
             s.logprob_rows.append(torch.log_softmax(logits, -1).to(torch.float16).cpu())
         if r.forced_ids is not None and len(s.out_ids) < len(r.forced_ids):
             tok = int(r.forced_ids[len(s.out_ids)])
         else:
-            tok = sample_next(logits, r.sampling, s.generator, s.out_ids)
+            tok = greedy if r.sampling.temperature <= 0 else sample_next(logits, r.sampling, s.generator, s.out_ids)
         s.out_ids.append(tok)
         sp = r.sampling
         if tok in sp.stop_token_ids or (tok in self.eos_ids and not sp.ignore_eos):
