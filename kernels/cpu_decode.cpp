@@ -1,4 +1,7 @@
-// Two-source decode attention on the CPU: SFI's fast step (cotserve/policies/sfi/attention.py).
+// SFI's decode-step attention on the CPU: the fast step (two_source_decode) and the fallback heads'
+// page-bound reads (page_bound_decode).
+//
+// Two-source decode attention: SFI's fast step (cotserve/policies/sfi/attention.py).
 //
 // For each (slot b, KV head h), the G query heads of its GQA group attend, through ONE softmax,
 // over (1) a compact buffer of C entries (sink + selected K/V, float32 or bfloat16, a bool mask
@@ -12,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -213,6 +217,91 @@ void run(const torch::Tensor& q, const torch::Tensor& ck, const torch::Tensor& c
   });
 }
 
+// SFI's fallback heads (policies/sfi/fallback.py): per head, Quest page bounds pick the pages to
+// read (upper bound of q.k over a page: sum_d max(q_d m_d, q_d M_d), max over the GQA group), then
+// attention over the pages holding the sinks, the `budget / page` best other pages and every entry
+// after the bounded pages, read straight from the cache rows (no gathered copy). Heads in parallel.
+template <int GB, int DB>
+void run_pages(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* slots,
+               const int64_t* heads, const int64_t* lens, const std::vector<torch::Tensor>& bounds, int64_t budget,
+               int64_t page, int64_t sinks, double scale, torch::Tensor& out) {
+  const int64_t N = q.size(0), G = GB > 0 ? GB : q.size(1), D = DB > 0 ? DB : q.size(2);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t k_b = k.stride(0), k_h = k.stride(1), k_r = k.stride(2);
+  const int64_t v_b = v.stride(0), v_h = v.stride(1), v_r = v.stride(2);
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const float NEG = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score, part, logits, acc(G * D), qs(G * D);
+    std::vector<int64_t> order, rows;
+    for (int64_t i = begin; i < end; ++i) {
+      const float* bp = bounds[i].data_ptr<float>();  // [2D, P]: rows 0..D-1 max, D..2D-1 min
+      const int64_t P = bounds[i].size(1), n = lens[i];
+      const int64_t first = (std::max<int64_t>(sinks, 1) + page - 1) / page;
+      const int64_t take = std::min(std::max(budget / page, first), P);
+      for (int64_t x = 0; x < G * D; ++x) qs[x] = qp[i * G * D + x];
+      rows.clear();
+      if (take >= P) {
+        for (int64_t r = 0; r < n; ++r) rows.push_back(r);
+      } else {
+        score.assign(P, NEG);
+        part.resize(P);
+        for (int64_t g = 0; g < G; ++g) {
+          std::fill(part.begin(), part.end(), 0.f);
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = qs[g * D + d];
+            axpy(part.data(), qd, bp + (qd >= 0.f ? d : D + d) * P, P);
+          }
+          for (int64_t p = 0; p < P; ++p) score[p] = part[p] > score[p] ? part[p] : score[p];
+        }
+        for (int64_t p = 0; p < first && p < P; ++p) score[p] = std::numeric_limits<float>::infinity();
+        order.resize(P);
+        for (int64_t p = 0; p < P; ++p) order[p] = p;
+        std::nth_element(order.begin(), order.begin() + take, order.end(),
+                         [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+        for (int64_t t = 0; t < take; ++t)
+          for (int64_t r = 0; r < page; ++r) rows.push_back(order[t] * page + r);
+        for (int64_t r = P * page; r < n; ++r) rows.push_back(r);
+      }
+      const int64_t R = static_cast<int64_t>(rows.size());
+      const float* kr = kp + slots[i] * k_b + heads[i] * k_h;
+      const float* vr = vp + slots[i] * v_b + heads[i] * v_h;
+      logits.assign(G * R, 0.f);
+      for (int64_t x = 0; x < G * D; ++x) qs[x] *= sc;
+      for (int64_t j = 0; j < R; ++j) {
+        const float* row = kr + rows[j] * k_r;
+        for (int64_t g = 0; g < G; ++g) logits[g * R + j] = dot(&qs[g * D], row, D);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> total(G, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float* l = &logits[g * R];
+        float mx = NEG;
+        for (int64_t j = 0; j < R; ++j) mx = std::max(mx, l[j]);
+        if (mx == NEG) continue;
+        float s = 0.f;
+        for (int64_t j = 0; j < R; ++j) {
+          l[j] = exp_nonpos(l[j] - mx);
+          s += l[j];
+        }
+        total[g] = s;
+      }
+      for (int64_t j = 0; j < R; ++j) {
+        const float* row = vr + rows[j] * v_r;
+        for (int64_t g = 0; g < G; ++g) axpy(&acc[g * D], logits[g * R + j], row, D);
+      }
+      float* o = op + i * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
+        for (int64_t x = 0; x < D; ++x) o[g * D + x] = acc[g * D + x] * inv;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // q [B, H, G, D] float32; ckt [B, H, D, C] (keys transposed) and cv [B, H, C, D], float32 or
@@ -255,6 +344,38 @@ torch::Tensor two_source_decode(torch::Tensor q, torch::Tensor ck, torch::Tensor
   return out;
 }
 
+// q [N, G, D] float32 (the query groups of N fallback heads); k, v [B, H, S, D] float32 (one cache
+// layer, contiguous rows); slots, heads, lens [N] int64; bounds: N tensors [2D, P_i] float32
+// (`fallback.page_bounds`). Returns [N, G, D] float32.
+torch::Tensor page_bound_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                                torch::Tensor heads, torch::Tensor lens, std::vector<torch::Tensor> bounds,
+                                int64_t budget, int64_t page, int64_t sinks, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be float32 [N, G, D]");
+  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "k, v must be float32");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(static_cast<int64_t>(bounds.size()) == q.size(0), "one bounds tensor per head");
+  TORCH_CHECK(page >= 1, "page must be >= 1");
+  for (auto& b : bounds) {
+    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.dim() == 2 && b.size(0) == 2 * q.size(2),
+                "bounds must be float32 [2D, P]");
+    b = b.contiguous();
+  }
+  q = q.contiguous();
+  slots = slots.to(torch::kInt64).contiguous();
+  heads = heads.to(torch::kInt64).contiguous();
+  lens = lens.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* hp = heads.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  if (q.size(1) == 3 && q.size(2) == 64)
+    run_pages<3, 64>(q, k, v, sp, hp, lp, bounds, budget, page, sinks, scale, out);
+  else
+    run_pages<0, 0>(q, k, v, sp, hp, lp, bounds, budget, page, sinks, scale, out);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("two_source_decode", &two_source_decode, "SFI fast-step attention: compact buffer + recent window");
+  m.def("page_bound_decode", &page_bound_decode, "SFI fallback heads: Quest page-bound reads, in place");
 }

@@ -58,3 +58,17 @@ def two_source_decode(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, cmask
     if mod is None:
         raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
     return mod.two_source_decode(q, ck, cv, cmask, wk, wv, wstart, wend, float(scaling))
+
+
+def page_bound_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+                      lens: torch.Tensor, bounds: list[torch.Tensor], budget: int, page: int, sinks: int,
+                      scaling: float) -> torch.Tensor:
+    """SFI's fallback read (`policies.sfi.fallback.page_bound_attention`) for N heads in one call:
+    q [N, G, D] float32; head i's entries are rows 0 .. lens[i] - 1 of k / v [slots[i], heads[i]]
+    (one float32 cache layer [B, H, S, D]); bounds[i] [2D, P_i] its page bounds. The pages are
+    ranked by the same Quest bound, the chosen rows read in place. Returns [N, G, D] float32."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    return mod.page_bound_decode(q, k, v, slots, heads, lens, bounds, int(budget), int(page), int(sinks),
+                                 float(scaling))

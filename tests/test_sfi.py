@@ -312,6 +312,34 @@ def test_page_bound_fallback_read_matches_its_loop_reference(n, budget, page, si
         assert float((k[p * page : (p + 1) * page] @ q[:, 0].T).max()) <= float(scores[p]) + 1e-5
 
 
+@pytest.mark.parametrize(("grp", "d"), [(3, 64), (2, 16)])
+def test_cpu_kernel_page_reads_equal_the_torch_page_read(grp, d):
+    """The C++ fallback read of several heads in one call (different slots, lengths and page
+    counts; a head with fewer pages than the budget reads everything; one with no full page)
+    equals `page_bound_attention` head by head."""
+    from cotserve.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(7 + d)
+    slots, heads, cap, page = 3, 2, 160, 4
+    k = torch.randn(slots, heads, cap, d, generator=g)
+    v = torch.randn(slots, heads, cap, d, generator=g)
+    lens = torch.tensor([150, 97, 18])
+    cases = [(0, 1, 30), (1, 0, 20), (2, 1, 0), (0, 0, 33)]  # (slot, head, bounded pages)
+    for budget, sinks in ((48, 4), (48, 6), (4, 1), (1000, 4)):
+        q = torch.randn(len(cases), grp, d, generator=g)
+        bounds = [page_bounds(k[b, h, : p * page], page) for b, h, p in cases]
+        sl = torch.tensor([c[0] for c in cases])
+        hd = torch.tensor([c[1] for c in cases])
+        got = cpu_decode.page_bound_decode(q, k, v, sl, hd, lens[sl], bounds, budget, page, sinks, 0.3)
+        for i, (b, h, _) in enumerate(cases):
+            n = int(lens[b])
+            want, _ = page_bound_attention(q[i, :, None], k[b, h, :n], v[b, h, :n], bounds[i], budget, page, 0.3,
+                                           sinks)
+            assert torch.allclose(got[i], want[:, 0], atol=1e-5), (budget, sinks, i)
+
+
 def test_page_bound_fallback_finds_a_retrieved_key_far_back():
     """One key far back matches the query strongly: with room for two pages (sinks + one), the
     page read takes that page and the output is (nearly) its value, as dense attention's is."""

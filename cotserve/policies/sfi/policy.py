@@ -388,10 +388,9 @@ class SFIPolicy(Policy):
         self.ring[layer, self.bidx, :, self.ptr_t] = q[:, :, 0]
         if self.any_fast:
             out = self._fast(layer, q, batch)
-            slow = self.slow_slots
-            for b, h in self.dense_by_layer[layer]:
-                if b not in slow and self.active_now[b]:
-                    self._dense_head(layer, b, h, q, out, batch)
+            heads = [(b, h) for b, h in self.dense_by_layer[layer] if b not in self.slow_slots and self.active_now[b]]
+            if heads:
+                self._fallback(layer, heads, q, out, batch)
         else:
             out = torch.zeros_like(q)
         for b in self.slow_slots:
@@ -429,6 +428,33 @@ class SFIPolicy(Policy):
             return outside
         read = entries_read(self.bounded_pages[b], cfg.dense_budget, cfg.dense_page, cfg.sinks, self.wstart[b])
         return max(0, min(outside, read))
+
+    def _fallback(self, layer: int, heads: list[tuple[int, int]], q: torch.Tensor, out: torch.Tensor,
+                  batch: BatchState) -> None:
+        """The fallback reads of this layer's fallback heads (slot, KV head): under the C++ kernel,
+        the page-bound reads of all of them in one call (`cpu_decode.page_bound_decode`, rows
+        read in place); otherwise, and for heads without fresh bounds, one at a time
+        (`_dense_head`)."""
+        cache = batch.cache
+        if self.kernel and self.config.dense_budget > 0:
+            paged = [(b, h) for b, h in heads if (bd := self.bounds.get((layer, b, h))) is not None
+                     and bd[1] == cache.compactions[layer][b]]
+            if paged:
+                dev = q.device
+                slots = torch.tensor([b for b, _ in paged], device=dev)
+                kv_heads = torch.tensor([h for _, h in paged], device=dev)
+                lens = torch.tensor([self.lens[b] for b, _ in paged], device=dev)
+                hkv = self.dense.shape[-1]
+                groups = q.view(q.shape[0], hkv, self.hq // hkv, -1)
+                cfg = self.config
+                o = cpu_decode.page_bound_decode(groups[slots, kv_heads], cache.k[layer], cache.v[layer], slots,
+                                                 kv_heads, lens, [self.bounds[(layer, b, h)][0] for b, h in paged],
+                                                 cfg.dense_budget, cfg.dense_page, cfg.sinks, batch.scaling)
+                out.view(groups.shape)[slots, kv_heads] = o
+                done = set(paged)
+                heads = [bh for bh in heads if bh not in done]
+        for b, h in heads:
+            self._dense_head(layer, b, h, q, out, batch)
 
     def _dense_head(self, layer: int, b: int, h: int, q: torch.Tensor, out: torch.Tensor, batch: BatchState) -> None:
         """The fallback read of slot b's KV head h (its GQA group of query heads), written over the
