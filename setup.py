@@ -19,6 +19,7 @@ setup(
     package_dir=package_dir,
     package_data={
         "cotserve": ["py.typed", "calibration/*.json"],
+        "cotserve.kernels": ["*.cpp"],  # built on first use (kernels/cpu_decode.py)
         "cotserve.steering_vectors": ["*.json", "*/*.json", "*/*.safetensors"],
     },
 )

@@ -1,1 +1,3 @@
-"""Triton kernels and their torch reference twins (installed as cotserve.kernels)."""
+"""Kernels and their torch reference twins (installed as cotserve.kernels): Triton decode attention
+(CUDA; tested on the CPU through TRITON_INTERPRET=1) and SFI's C++ CPU decode kernels
+(`cpu_decode`)."""

@@ -53,7 +53,7 @@ inline float dot(const float* q, const T* row, int64_t d) {
 // arithmetic, so the loops calling it vectorize (std::exp does not).
 inline float exp_nonpos(float x) {
   float t = x * 1.4426950409f;
-  t = t < -127.f ? -127.f : t;
+  t = t >= -127.f ? t : -127.f;  // also maps NaN to -127 (then 0), so the int conversion below is defined
   const int32_t whole = static_cast<int32_t>(t);
   const int32_t n = whole - (t < static_cast<float>(whole) ? 1 : 0);
   const float f = t - static_cast<float>(n);
@@ -73,7 +73,7 @@ inline void axpy(float* acc, float p, const T* row, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * widen(row[i]);
 }
 
-// Compact logits, keys transposed [D, C]: 16 columns at a time, the G rows' partial sums in
+// Compact logits, keys in blocks of 16 entries [C / 16, D, 16]: one block at a time, the G rows' partial sums in
 // registers over d (GB = G when it is a compile-time constant, else 0 for any G).
 template <typename T, int GB>
 void compact_logits(const float* qs, const T* kt, int64_t C, int64_t D, int64_t G, float* logits, int64_t N) {
@@ -255,7 +255,7 @@ void run_pages(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
             const float qd = qs[g * D + d];
             axpy(part.data(), qd, bp + (qd >= 0.f ? d : D + d) * P, P);
           }
-          for (int64_t p = 0; p < P; ++p) score[p] = part[p] > score[p] ? part[p] : score[p];
+          for (int64_t p = 0; p < P; ++p) score[p] = part[p] > score[p] ? part[p] : score[p];  // NaN never wins
         }
         for (int64_t p = 0; p < first && p < P; ++p) score[p] = std::numeric_limits<float>::infinity();
         order.resize(P);
@@ -263,7 +263,8 @@ void run_pages(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
         std::nth_element(order.begin(), order.begin() + take, order.end(),
                          [&](int64_t a, int64_t b) { return score[a] > score[b]; });
         for (int64_t t = 0; t < take; ++t)
-          for (int64_t r = 0; r < page; ++r) rows.push_back(order[t] * page + r);
+          for (int64_t r = 0; r < page; ++r)
+            if (order[t] * page + r < n) rows.push_back(order[t] * page + r);
         for (int64_t r = P * page; r < n; ++r) rows.push_back(r);
       }
       const int64_t R = static_cast<int64_t>(rows.size());
@@ -304,8 +305,8 @@ void run_pages(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
 
 }  // namespace
 
-// q [B, H, G, D] float32; ckt [B, H, D, C] (keys transposed) and cv [B, H, C, D], float32 or
-// bfloat16 (contiguous); cmask [B, H, C]
+// q [B, H, G, D] float32; ck [B, H, C / 16, D, 16] (keys in blocks of 16 entries) and cv [B, H, C, D],
+// float32 or bfloat16 (contiguous); cmask [B, H, C]
 // bool; wk, wv [B, H, S, D] float32 with contiguous rows (any outer strides: a cache layer);
 // wstart, wend [B] int64. Returns [B, H, G, D] float32.
 torch::Tensor two_source_decode(torch::Tensor q, torch::Tensor ck, torch::Tensor cv, torch::Tensor cmask,
@@ -316,8 +317,20 @@ torch::Tensor two_source_decode(torch::Tensor q, torch::Tensor ck, torch::Tensor
   TORCH_CHECK(wk.scalar_type() == torch::kFloat32 && wv.scalar_type() == torch::kFloat32, "window must be float32");
   TORCH_CHECK(wk.stride(3) == 1 && wv.stride(3) == 1, "window rows must be contiguous");
   TORCH_CHECK(cmask.scalar_type() == torch::kBool, "cmask must be bool");
+  TORCH_CHECK(q.device().is_cpu() && ck.device().is_cpu() && wk.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(ck.dim() == 5 && ck.size(4) == 16 && ck.size(3) == q.size(3),
               "ck must be blocked [B, H, C / 16, D, 16]");
+  const int64_t B = q.size(0), H = q.size(1), C = ck.size(2) * 16, D = q.size(3);
+  TORCH_CHECK(ck.size(0) == B && ck.size(1) == H, "ck must match q's [B, H]");
+  TORCH_CHECK(cv.dim() == 4 && cv.size(0) == B && cv.size(1) == H && cv.size(2) == C && cv.size(3) == D,
+              "cv must be [B, H, C, D]");
+  TORCH_CHECK(cmask.dim() == 3 && cmask.size(0) == B && cmask.size(1) == H && cmask.size(2) == C,
+              "cmask must be [B, H, C]");
+  TORCH_CHECK(wk.dim() == 4 && wv.dim() == 4 && wk.size(0) == B && wk.size(1) == H && wk.size(3) == D &&
+              wv.sizes() == wk.sizes(), "wk, wv must be [B, H, S, D]");
+  TORCH_CHECK(wstart.numel() == B && wend.numel() == B, "wstart, wend must have B entries");
+  TORCH_CHECK(wstart.min().item<int64_t>() >= 0 && wend.max().item<int64_t>() <= wk.size(2),
+              "window rows outside the cache");
   q = q.contiguous();
   ck = ck.contiguous();
   cv = cv.contiguous();
@@ -355,9 +368,19 @@ torch::Tensor page_bound_decode(torch::Tensor q, torch::Tensor k, torch::Tensor 
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "cache rows must be contiguous");
   TORCH_CHECK(static_cast<int64_t>(bounds.size()) == q.size(0), "one bounds tensor per head");
   TORCH_CHECK(page >= 1, "page must be >= 1");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(3) == q.size(2), "k, v must be [B, H, S, D]");
+  TORCH_CHECK(slots.numel() == q.size(0) && heads.numel() == q.size(0) && lens.numel() == q.size(0),
+              "slots, heads, lens must have N entries");
+  if (q.size(0) > 0) {
+    TORCH_CHECK(slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < k.size(0) &&
+                heads.min().item<int64_t>() >= 0 && heads.max().item<int64_t>() < k.size(1) &&
+                lens.min().item<int64_t>() >= 0 && lens.max().item<int64_t>() <= k.size(2),
+                "slots, heads or lens outside the cache");
+  }
   for (auto& b : bounds) {
     TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.dim() == 2 && b.size(0) == 2 * q.size(2),
                 "bounds must be float32 [2D, P]");
+    TORCH_CHECK(b.size(1) * page <= k.size(2), "bounded pages beyond the cache");
     b = b.contiguous();
   }
   q = q.contiguous();
@@ -376,6 +399,8 @@ torch::Tensor page_bound_decode(torch::Tensor q, torch::Tensor k, torch::Tensor 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("two_source_decode", &two_source_decode, "SFI fast-step attention: compact buffer + recent window");
-  m.def("page_bound_decode", &page_bound_decode, "SFI fallback heads: Quest page-bound reads, in place");
+  m.def("two_source_decode", &two_source_decode, "SFI fast-step attention: compact buffer + recent window",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("page_bound_decode", &page_bound_decode, "SFI fallback heads: Quest page-bound reads, in place",
+        py::call_guard<py::gil_scoped_release>());
 }

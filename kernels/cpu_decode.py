@@ -1,6 +1,10 @@
-"""SFI's fast-step attention as one C++ CPU kernel (`cpu_decode.cpp`), built on first use with
-torch's extension builder (g++ and ninja; about a minute, then cached under
-`$COTSERVE_CACHE_DIR/torch_extensions`, default `~/.cache/cotserve/torch_extensions`).
+"""SFI's decode attention as C++ CPU kernels (`cpu_decode.cpp`): the fast step
+(`two_source_decode`) and the fallback heads' page reads (`page_bound_decode`). Built on first use
+(`make install` builds it) with torch's extension builder (g++ and ninja on PATH; about 30 s on
+the development machine), then cached under `$COTSERVE_CACHE_DIR/torch_extensions` (default
+`~/.cache/cotserve/torch_extensions`) in a folder named after the torch version and a fingerprint
+of the CPU (its model and feature flags: an x86 build uses `-march=native`, so a cache shared
+with another CPU must not load it).
 
 The torch form of the same computation is `policies.sfi.attention.fast_attention` (several ops,
 each a pass over memory, and an intermediate logits tensor); the plain reference both are tested
@@ -13,8 +17,10 @@ bf16 x bf16 -> float32 matmul: the torch form would round the logits to bf16).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 from types import ModuleType
 
@@ -33,14 +39,30 @@ def _build() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         cache = Path(os.environ.get("COTSERVE_CACHE_DIR", Path.home() / ".cache" / "cotserve"))
-        build = cache / "torch_extensions" / f"cpu_decode_torch{torch.__version__.replace('+', '_')}"
+        tag = f"torch{torch.__version__.replace('+', '_')}_{_cpu_fingerprint()}"
+        build = cache / "torch_extensions" / f"cpu_decode_{tag}"
         build.mkdir(parents=True, exist_ok=True)
+        flags = ["-O3", "-fopenmp"]
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags += ["-march=native", "-mprefer-vector-width=512"]
         _module = load(name="cotserve_cpu_decode", sources=[str(Path(__file__).with_suffix(".cpp"))],
-                       extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+                       extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as exc:  # no compiler, no headers: the torch path serves instead
         _failed = True
         log.warning("cotserve: the CPU decode kernel did not build (%s); using the torch path", exc)
     return _module
+
+
+def _cpu_fingerprint() -> str:
+    """A short hash of the machine type and, where /proc/cpuinfo exists, the CPU model and flags."""
+    text = platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        keys = ("model name", "flags", "Features", "CPU part")
+        text += "".join(sorted({ln for ln in info.splitlines() if ln.split(":")[0].strip() in keys}))
+    except OSError:
+        text += platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def available() -> bool:
@@ -51,9 +73,10 @@ def available() -> bool:
 def two_source_decode(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, cmask: torch.Tensor, wk: torch.Tensor,
                       wv: torch.Tensor, wstart: torch.Tensor, wend: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention of q [B, Hkv, G, D] (float32; the G query heads of each KV head) over the
-    compact entries ck / cv [B, Hkv, C, D] (float32 or bfloat16; rows with cmask [B, Hkv, C]
-    False are skipped) and the window rows wstart[b] .. wend[b] - 1 of wk / wv [B, Hkv, S, D]
-    (float32, e.g. one layer of the cache), through one softmax. Returns [B, Hkv, G, D] float32."""
+    compact entries, keys ck in blocks of 16 [B, Hkv, C / 16, D, 16] and values cv
+    [B, Hkv, C, D] (float32 or bfloat16; entries with cmask [B, Hkv, C] False are skipped), and
+    the window rows wstart[b] .. wend[b] - 1 of wk / wv [B, Hkv, S, D] (float32, e.g. one layer
+    of the cache), through one softmax. Returns [B, Hkv, G, D] float32."""
     mod = _build()
     if mod is None:
         raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")

@@ -26,31 +26,32 @@ def _batch(engine: NativeEngine, prompt_lens: list[int], capacity: int) -> Batch
                       prompt_lens=torch.tensor(prompt_lens), tokens=[[] for _ in prompt_lens])
 
 
-def _run(engine: NativeEngine, forward, ids: torch.Tensor, lens: list[int], steps: list[torch.Tensor]
+def _run(engine: NativeEngine, forward, head, ids: torch.Tensor, lens: list[int], steps: list[torch.Tensor]
          ) -> list[torch.Tensor]:
     """Prefill ids [B, T] (right-padded to lens), then one decode step per entry of `steps`
-    ([B] ids); returns the logits of every forward's last real token."""
+    ([B] ids); returns the logits (by `head`) of every forward's last real token."""
     b, t = ids.shape
     batch = _batch(engine, lens, t + len(steps) + 1)
     batch.mode = "prefill"
     hidden = forward(ids, torch.arange(t).expand(b, -1), batch)
-    out = [engine.logits(hidden[torch.arange(b), torch.tensor(lens) - 1])]
+    out = [head(hidden[torch.arange(b), torch.tensor(lens) - 1])]
     batch.mode = "decode"
     for i, tok in enumerate(steps):
         pos = torch.tensor(lens) + i
         batch.positions = pos
-        out.append(engine.logits(forward(tok.view(-1, 1), pos.view(-1, 1), batch)[:, -1]))
+        out.append(head(forward(tok.view(-1, 1), pos.view(-1, 1), batch)[:, -1]))
     return out
 
 
 def _compare(engine: NativeEngine, vocab: int, atol: float, seed: int = 0) -> None:
+    """The lean stack and LM head against transformers' layer modules and `lm_head` module."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (3, 12), generator=gen)
     lens = [12, 9, 5]
     steps = [torch.randint(0, vocab, (3,), generator=gen) for _ in range(4)]
-    assert engine.lean is not None
-    lean = _run(engine, engine.forward, ids, lens, steps)
-    ref = _run(engine, engine.forward_reference, ids, lens, steps)
+    assert engine.lean is not None and engine.lean.head is not None
+    lean = _run(engine, engine.forward, engine.lean.logits, ids, lens, steps)
+    ref = _run(engine, engine.forward_reference, lambda h: engine.model.lm_head(h).float(), ids, lens, steps)
     for a, r in zip(lean, ref, strict=True):
         torch.testing.assert_close(a, r, atol=atol, rtol=0)
         assert torch.equal(a.argmax(-1), r.argmax(-1))
@@ -104,6 +105,8 @@ def _tiny(model_type: str, **extra) -> NativeEngine:
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **extra)
+    if model_type == "llama":  # every projection with a bias: o_proj's and down_proj's too
+        cfg.attention_bias = cfg.mlp_bias = True
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # random (non-unit) norm weights and biases, so every term is exercised
         for name, p in model.named_parameters():
@@ -121,6 +124,8 @@ def test_lean_equals_transformers_on_other_llama_family_layouts(model_type):
         assert engine.model.model.layers[0].self_attn.q_proj.bias is not None
     if model_type == "qwen3":
         assert engine.lean.layers[0].q_norm is not None
+    if model_type == "llama":
+        assert engine.lean.layers[0].o.bias is not None and engine.lean.layers[0].down.bias is not None
     _compare(engine, 97, atol=1e-5)
 
 
@@ -147,3 +152,11 @@ def test_a_forward_hook_on_a_layer_takes_the_module_path(engine):
     assert len(seen) == 5  # prefill + 4 decode forwards
     engine.generate([GenRequest(ids, SamplingParams(max_tokens=5, ignore_eos=True))], "dense")
     assert len(seen) == 5
+    # a hook deeper in a layer (a projection) or on the LM head counts too
+    for module in (engine.model.model.layers[2].self_attn.q_proj, engine.model.lm_head):
+        handle = module.register_forward_hook(lambda m, a, o: seen.append(1))
+        try:
+            engine.generate([GenRequest(ids, SamplingParams(max_tokens=3, ignore_eos=True))], "dense")
+        finally:
+            handle.remove()
+    assert len(seen) == 5 + 3 + 3

@@ -94,6 +94,7 @@ def test_cpu_kernel_equals_reference_on_random_inputs(grp, d, c_dtype):
                        for i in range(b)])  # [B, H, C]
     cmask = torch.rand(b, hkv, c, generator=g) > 0.2
     cmask[1, 0] = False  # nothing compact for this head
+    cmask[2, 1] = False  # ... and for this one nothing at all (slot 2's window is empty): zeros
     ck = torch.gather(kc, 2, idx.unsqueeze(-1).expand(-1, -1, -1, d)).to(c_dtype)
     cv = torch.gather(vc, 2, idx.unsqueeze(-1).expand(-1, -1, -1, d)).to(c_dtype)
     pad = -(-c // 16) * 16
@@ -115,6 +116,7 @@ def test_cpu_kernel_equals_reference_on_random_inputs(grp, d, c_dtype):
             read[bi, h, int(wstart[bi]) : int(lens[bi])] = True
     ref = fast_attention_reference(q, kr, vr, read, 0.3)
     assert torch.allclose(out.view(b, hkv * grp, 1, d), ref, atol=1e-5)
+    assert torch.equal(out[2, 1], torch.zeros(grp, d))
 
 
 def test_slow_attention_is_dense_for_the_current_row_and_returns_all_rows_logits():
@@ -240,9 +242,12 @@ def test_kernel_and_torch_fast_steps_agree_in_the_engine(engine):
     prompts = [engine.encode_prompt(p) for p in PROMPTS]
     forced = [r.token_ids for r in _run(engine, prompts, "dense")]
     sparse = {"recent": 6, "k": 8, "max_interval": 6}
-    kern = _run(engine, prompts, "sfi", sparse, forced)
-    torch_path = _run(engine, prompts, "sfi", {**sparse, "kernel": "torch"}, forced)
-    bf16 = _run(engine, prompts, "sfi", {**sparse, "compact_dtype": "bfloat16"}, forced)
+    stacks = {name: build_policy("sfi", {**sparse, **extra}) for name, extra in
+              (("kern", {}), ("torch", {"kernel": "torch"}), ("bf16", {"compact_dtype": "bfloat16"}))}
+    kern, torch_path, bf16 = (_run(engine, prompts, stacks[name], forced=forced) for name in ("kern", "torch", "bf16"))
+    assert [stacks[n].parts[0].describe() for n in ("kern", "torch", "bf16")] == [
+        {"fast_step": "cpu_kernel", "compact_dtype": "float32"}, {"fast_step": "torch", "compact_dtype": "float32"},
+        {"fast_step": "cpu_kernel", "compact_dtype": "bfloat16"}]
     for a, t, h in zip(kern, torch_path, bf16, strict=True):
         assert a.greedy_ids == t.greedy_ids
         assert (a.logprobs.float().exp() - t.logprobs.float().exp()).abs().max() < 1e-3

@@ -6,11 +6,17 @@ Why: at decode a step's tensors are tiny ([batch, 1, hidden]), so on a CPU the p
 module overhead of the transformers forward (hooks, kwargs plumbing, the attention interface,
 separate q/k/v and gate/up projections) is a large share of a step. Here q/k/v are one
 projection and gate/up another (their weights concatenated once; the original modules' weights
-become views of the fused ones, so no memory is duplicated and the transformers path keeps
-working), RMSNorm is one `rms_norm` op, and attention goes straight to cotserve's cache and policy
-stack (`route_attention`). `NativeEngine` uses it whenever `LeanDecoder.supports(model)`; the
-transformers forward (`NativeEngine.forward_reference`) stays as the reference the tests compare
-it with.
+become views of the fused ones, so the fusion itself copies nothing and the transformers path
+keeps working), RMSNorm is one `rms_norm` op, and attention goes straight to cotserve's cache and
+policy stack (`route_attention`). On a CPU with oneDNN each projection also gets a pre-packed copy
+in oneDNN's layout: that copy doubles the memory of the linear weights (the plain ones stay for
+the reference path), and it is taken once, so the weights are frozen for the engine's lifetime
+(an in-place update or a swapped module needs a new `NativeEngine`). `NativeEngine` uses the lean
+stack whenever `LeanDecoder.supports(model)` and no forward hook is registered; the transformers
+forward (`NativeEngine.forward_reference`) stays as the reference the tests compare it with.
+Norms are computed by `rms_norm` in the input dtype with one rounding, so for float32 and bf16w
+models (the ones tested) the results match transformers' to float rounding; a bf16 model's norms
+may differ from transformers' two-rounding form in the last bit.
 """
 
 from __future__ import annotations
@@ -40,17 +46,17 @@ def _fuse(modules: list[torch.nn.Module]) -> tuple[torch.nn.Parameter, torch.nn.
     """Concatenate the weights (and biases) of linear-like modules along the output dim; the
     modules' own weights become views of the fused tensor."""
     weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in modules]), requires_grad=False)
-    has_bias = [getattr(m, "bias", None) is not None for m in modules]
+    biases = [getattr(m, "bias", None) for m in modules]
     bias = None
-    if any(has_bias):
-        parts = [m.bias.detach() if m.bias is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype,
-                 device=weight.device) for m in modules]
+    if any(b is not None for b in biases):
+        parts = [b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype,
+                 device=weight.device) for m, b in zip(modules, biases, strict=True)]
         bias = torch.nn.Parameter(torch.cat(parts), requires_grad=False)
     row = 0
-    for m in modules:
+    for m, b in zip(modules, biases, strict=True):
         n = m.weight.shape[0]
         m.weight = torch.nn.Parameter(weight.detach()[row : row + n], requires_grad=False)
-        if bias is not None and m.bias is not None:
+        if bias is not None and b is not None:
             m.bias = torch.nn.Parameter(bias.detach()[row : row + n], requires_grad=False)
         row += n
     return weight, bias
@@ -73,8 +79,14 @@ def _prepack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-    except (RuntimeError, AttributeError):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        # oneDNN may take the reorder yet not run the product for this dtype on this CPU: try one
+        x = torch.randn(2, weight.shape[1], dtype=weight.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        if not torch.allclose(got.float(), torch.nn.functional.linear(x, weight).float(), rtol=1e-2, atol=1e-2):
+            return None
+        return packed
+    except (RuntimeError, AttributeError, NotImplementedError):
         return None
 
 
@@ -88,6 +100,14 @@ def _linear(x: torch.Tensor, w: _Weight) -> torch.Tensor:
         y = torch.nn.functional.linear(xin, w.weight)
     y = y.to(x.dtype)
     return y if w.bias is None else y + w.bias
+
+
+def _plain_linear(module: torch.nn.Module | None) -> bool:
+    """A projection the lean stack can fuse: `nn.Linear` or cotserve's `WeightOnlyLinear` (not a
+    quantized or adapter-wrapped layer, whose forward is more than x @ W^T + b)."""
+    from cotserve.models import WeightOnlyLinear
+
+    return isinstance(module, (torch.nn.Linear, WeightOnlyLinear))
 
 
 def _eps(norm: torch.nn.Module) -> float:
@@ -123,8 +143,8 @@ class LeanDecoder:
         if layers is None or not hasattr(inner, "rotary_emb"):
             return False
         need = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
-        return all(hasattr(getattr(layer, part, None), name) for layer in layers for part, names in need.items()
-                   for name in names)
+        return all(_plain_linear(getattr(getattr(layer, part, None), name, None)) for layer in layers
+                   for part, names in need.items() for name in names)
 
     def __init__(self, model: torch.nn.Module, prepack: bool = True, rows: int = 8):
         cfg = model.config
@@ -150,7 +170,7 @@ class LeanDecoder:
         self.final_norm = self.inner.norm
         head = getattr(model, "lm_head", None)
         self.head = None
-        if head is not None and isinstance(getattr(head, "weight", None), torch.Tensor):
+        if _plain_linear(head):
             self.head = _Weight(head.weight, getattr(head, "bias", None),
                                 _prepack(head.weight, rows) if prepack else None)
         self.split = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,

@@ -149,8 +149,9 @@ class NativeEngine:
     # -- forward --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: BatchState) -> torch.Tensor:
         """Run the decoder stack; returns the final-norm hidden states [B, T, H]. The lean stack
-        (`decoder.LeanDecoder`) when the model allows it and no forward hook is registered on a
-        decoder layer (hooks only fire on the module path), else transformers' modules."""
+        (`decoder.LeanDecoder`) when the model allows it and no forward hook is registered in the
+        decoder layers, the LM head or globally (hooks only fire on the module path), else
+        transformers' modules."""
         if self.lean is None or self._layers_hooked():
             return self.forward_reference(input_ids, position_ids, batch)
         hidden = self.lean.forward(input_ids, position_ids, batch)
@@ -158,7 +159,15 @@ class NativeEngine:
         return hidden
 
     def _layers_hooked(self) -> bool:
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.model.model.layers)
+        """Whether a forward hook would fire on the module path: one registered on any module of
+        the decoder layers or the LM head, or a global module hook."""
+        from torch.nn.modules import module as mod
+
+        if mod._global_forward_hooks or mod._global_forward_pre_hooks:
+            return True
+        heads = [self.model.lm_head] if hasattr(self.model, "lm_head") else []
+        return any(m._forward_hooks or m._forward_pre_hooks
+                   for top in [*self.model.model.layers, *heads] for m in top.modules())
 
     def forward_reference(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: BatchState
                           ) -> torch.Tensor:
@@ -177,7 +186,7 @@ class NativeEngine:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.lean.logits(hidden) if self.lean is not None else None
+        out = self.lean.logits(hidden) if self.lean is not None and not self._layers_hooked() else None
         return out if out is not None else self.model.lm_head(hidden).float()
 
     # -- generation -----------------------------------------------------------------------

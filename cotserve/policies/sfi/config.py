@@ -48,7 +48,7 @@ class SFIConfig(PolicyConfig):
     dense_budget: int = 1024  # entries a fallback head reads per step by Quest page bounds (0 = all)
     dense_page: int = 4  # page size of those bounds (Quest uses 16; see README for the choice)
     # fast-step implementation (ours; results equal up to float rounding)
-    kernel: str = "auto"  # auto: the C++ CPU kernel (kernels/cpu_decode.cpp) on a CPU when it builds | torch
+    kernel: str = "auto"  # auto: the C++ CPU kernel (kernels/cpu_decode.cpp) on a CPU with a float32 cache, where it builds | torch
     compact_dtype: str = "auto"  # auto: bfloat16 under the kernel with bf16 weights (bf16w), else cache | cache | bfloat16
 
     def validate(self) -> None:

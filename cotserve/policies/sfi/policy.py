@@ -24,6 +24,7 @@ decode steps; a slow step reads everything, 1.0).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,8 @@ from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
+
+log = logging.getLogger(__name__)
 
 
 def candidates(cfg: SFIConfig, shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -98,8 +101,12 @@ def _compact_dtype(cfg: SFIConfig, cache_dtype: torch.dtype, weight_dtype: torch
                    kernel: bool) -> torch.dtype:
     """The compact buffers' dtype. bfloat16 only under the kernel (which widens entries to
     float32 before any product; torch's matmuls would round the logits to bf16): by default when
-    the model's linear weights are bf16 (`--dtype bf16w`), whose v_proj outputs, hence the cached
-    values, are bf16 numbers already (keys are rounded after RoPE); else the cache's dtype."""
+    the model's linear weights are bf16 (`--dtype bf16w`), whose v_proj outputs are bf16 numbers
+    already (so are the cached values, unless v_proj adds a float32 bias, as Qwen2's does); keys,
+    sinks included, are rounded after RoPE (relative error 2^-9 per element). Else the cache's
+    dtype. The fidelity bench checks what this costs ("SFI measurements" in the README)."""
+    if cfg.compact_dtype == "bfloat16" and not kernel:
+        log.warning("sfi: compact_dtype=bfloat16 needs the CPU kernel; the compact buffers keep %s", cache_dtype)
     if not kernel or cfg.compact_dtype == "cache":
         return cache_dtype
     if cfg.compact_dtype == "bfloat16" or weight_dtype == torch.bfloat16:
@@ -443,7 +450,7 @@ class SFIPolicy(Policy):
                 dev = q.device
                 slots = torch.tensor([b for b, _ in paged], device=dev)
                 kv_heads = torch.tensor([h for _, h in paged], device=dev)
-                lens = torch.tensor([self.lens[b] for b, _ in paged], device=dev)
+                lens = cache.lens[layer, slots]  # this layer's (an eviction stack may compact layers differently)
                 hkv = self.dense.shape[-1]
                 groups = q.view(q.shape[0], hkv, self.hq // hkv, -1)
                 cfg = self.config
