@@ -35,3 +35,15 @@ def test_interleaved_decode_gives_each_policy_its_own_tokens_and_rows(engine):
     # the sequential form still works and counts the same tokens
     seq = time_native(engine, prompts, 12, "dense", {})
     assert seq["generated_tokens"] == rows[0]["generated_tokens"]
+
+
+def test_transformers_baseline_times_its_decode_after_the_first_token(engine):
+    """The transformers reference row comes from one `generate` run: the streamer marks the first
+    new token, so prefill and decode are both positive and the tokens are counted."""
+    from cotserve.bench.decode import time_hf_generate
+
+    prompts = [engine.encode_prompt(p) for p in PROMPTS]
+    n = min(len(p) for p in prompts)
+    row = time_hf_generate(engine, [p[:n] for p in prompts], 6)  # generate takes a rectangular batch
+    assert row["policy"] == "transformers.generate" and row["generated_tokens"] == 12
+    assert row["prefill_s"] > 0 and row["decode_s"] > 0 and row["decode_tok_s"] > 0
