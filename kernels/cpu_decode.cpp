@@ -73,6 +73,49 @@ inline void axpy(float* acc, float p, const T* row, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * widen(row[i]);
 }
 
+// In place, per row g of logits [G, N]: exp(l - max), its sum in total[g] (0 for a row with
+// nothing to read, which then gives a zero output). Lane-parallel max and sum.
+inline void softmax_rows(float* logits, int64_t G, int64_t N, float* total) {
+  const float NEG = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < G; ++g) {
+    float* l = logits + g * N;
+    total[g] = 0.f;
+    float lane_max[LANES];
+    std::fill(lane_max, lane_max + LANES, NEG);
+    int64_t i = 0;
+    for (; i + LANES <= N; i += LANES) {
+      for (int k = 0; k < LANES; ++k) lane_max[k] = l[i + k] > lane_max[k] ? l[i + k] : lane_max[k];
+    }
+    float mx = NEG;
+    for (int k = 0; k < LANES; ++k) mx = std::max(mx, lane_max[k]);
+    for (; i < N; ++i) mx = std::max(mx, l[i]);
+    if (mx == NEG) continue;
+    float lane_sum[LANES] = {0.f};
+    i = 0;
+    for (; i + LANES <= N; i += LANES) {
+      for (int k = 0; k < LANES; ++k) {
+        l[i + k] = exp_nonpos(l[i + k] - mx);
+        lane_sum[k] += l[i + k];
+      }
+    }
+    float s = 0.f;
+    for (int k = 0; k < LANES; ++k) s += lane_sum[k];
+    for (; i < N; ++i) {
+      l[i] = exp_nonpos(l[i] - mx);
+      s += l[i];
+    }
+    total[g] = s;
+  }
+}
+
+// out [G, D] = acc [G, D] / total [G] (zero where total is 0)
+inline void normalize_rows(const float* acc, const float* total, int64_t G, int64_t D, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = acc[g * D + i] * inv;
+  }
+}
+
 // Compact logits, keys in blocks of 16 entries [C / 16, D, 16]: one block at a time, the G rows' partial sums in
 // registers over d (GB = G when it is a compile-time constant, else 0 for any G).
 template <typename T, int GB>
@@ -153,7 +196,7 @@ void run(const torch::Tensor& q, const torch::Tensor& ck, const torch::Tensor& c
   const float NEG = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(G * D), logits, acc(G * D);
+    std::vector<float> qs(G * D), logits, acc(G * D), total(G);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const int64_t w0 = ws[b], w1 = std::max(we[b], w0), W = w1 - w0, N = C + W;
@@ -174,45 +217,13 @@ void run(const torch::Tensor& q, const torch::Tensor& ck, const torch::Tensor& c
         for (int64_t g = 0; g < G; ++g) logits[g * N + C + j] = dot(&qs[g * D], row, D);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> total(G, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* l = &logits[g * N];
-        float lane_max[LANES];
-        std::fill(lane_max, lane_max + LANES, NEG);
-        int64_t i = 0;
-        for (; i + LANES <= N; i += LANES) {
-          for (int k = 0; k < LANES; ++k) lane_max[k] = l[i + k] > lane_max[k] ? l[i + k] : lane_max[k];
-        }
-        float mx = NEG;
-        for (int k = 0; k < LANES; ++k) mx = std::max(mx, lane_max[k]);
-        for (; i < N; ++i) mx = std::max(mx, l[i]);
-        if (mx == NEG) continue;  // nothing to read: a zero output
-        float lane_sum[LANES] = {0.f};
-        i = 0;
-        for (; i + LANES <= N; i += LANES) {
-          for (int k = 0; k < LANES; ++k) {
-            l[i + k] = exp_nonpos(l[i + k] - mx);
-            lane_sum[k] += l[i + k];
-          }
-        }
-        float s = 0.f;
-        for (int k = 0; k < LANES; ++k) s += lane_sum[k];
-        for (; i < N; ++i) {
-          l[i] = exp_nonpos(l[i] - mx);
-          s += l[i];
-        }
-        total[g] = s;
-      }
+      softmax_rows(logits.data(), G, N, total.data());
       compact_values<T, GB, DB>(logits.data(), N, m, vc, C, D, G, acc.data());
       for (int64_t j = 0; j < W; ++j) {
         const float* row = vw + (w0 + j) * wv_r;
         for (int64_t g = 0; g < G; ++g) axpy(&acc[g * D], logits[g * N + C + j], row, D);
       }
-      float* o = op + bh * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
-        for (int64_t i = 0; i < D; ++i) o[g * D + i] = acc[g * D + i] * inv;
-      }
+      normalize_rows(acc.data(), total.data(), G, D, op + bh * G * D);
     }
   });
 }
@@ -235,7 +246,7 @@ void run_pages(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
   const float sc = static_cast<float>(scale);
   const float NEG = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score, part, logits, acc(G * D), qs(G * D);
+    std::vector<float> score, part, logits, acc(G * D), qs(G * D), total(G);
     std::vector<int64_t> order, rows;
     for (int64_t i = begin; i < end; ++i) {
       const float* bp = bounds[i].data_ptr<float>();  // [2D, P]: rows 0..D-1 max, D..2D-1 min
@@ -277,28 +288,12 @@ void run_pages(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
         for (int64_t g = 0; g < G; ++g) logits[g * R + j] = dot(&qs[g * D], row, D);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> total(G, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* l = &logits[g * R];
-        float mx = NEG;
-        for (int64_t j = 0; j < R; ++j) mx = std::max(mx, l[j]);
-        if (mx == NEG) continue;
-        float s = 0.f;
-        for (int64_t j = 0; j < R; ++j) {
-          l[j] = exp_nonpos(l[j] - mx);
-          s += l[j];
-        }
-        total[g] = s;
-      }
+      softmax_rows(logits.data(), G, R, total.data());
       for (int64_t j = 0; j < R; ++j) {
         const float* row = vr + rows[j] * v_r;
         for (int64_t g = 0; g < G; ++g) axpy(&acc[g * D], logits[g * R + j], row, D);
       }
-      float* o = op + i * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
-        for (int64_t x = 0; x < D; ++x) o[g * D + x] = acc[g * D + x] * inv;
-      }
+      normalize_rows(acc.data(), total.data(), G, D, op + i * G * D);
     }
   });
 }

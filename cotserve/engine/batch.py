@@ -49,6 +49,7 @@ class BatchState:
     hidden: torch.Tensor | None = None
     active: torch.Tensor | None = None  # bool [B]: slots still generating
     extras: dict[str, Any] = field(default_factory=dict)  # per-request policy inputs, by slot
+    lean: bool = True  # the engine's lean decoder stack may run (no forward hook registered when the batch began)
 
     @property
     def batch_size(self) -> int:

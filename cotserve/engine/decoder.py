@@ -153,12 +153,12 @@ class LeanDecoder:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.layers: list[_Layer] = []
+
+        def weight(w: torch.Tensor, b: torch.Tensor | None) -> _Weight:
+            return _Weight(w, b, _prepack(w, rows) if prepack else None)
+
         for layer in self.inner.layers:
             att, mlp = layer.self_attn, layer.mlp
-
-            def weight(w: torch.Tensor, b: torch.Tensor | None) -> _Weight:
-                return _Weight(w, b, _prepack(w, rows) if prepack else None)
-
             qkv = weight(*_fuse([att.q_proj, att.k_proj, att.v_proj]))
             gate_up = weight(*_fuse([mlp.gate_proj, mlp.up_proj]))
             self.layers.append(_Layer(
@@ -169,10 +169,7 @@ class LeanDecoder:
                 q_norm=getattr(att, "q_norm", None), k_norm=getattr(att, "k_norm", None)))
         self.final_norm = self.inner.norm
         head = getattr(model, "lm_head", None)
-        self.head = None
-        if _plain_linear(head):
-            self.head = _Weight(head.weight, getattr(head, "bias", None),
-                                _prepack(head.weight, rows) if prepack else None)
+        self.head = weight(head.weight, getattr(head, "bias", None)) if _plain_linear(head) else None
         self.split = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                       self.num_kv_heads * self.head_dim)
         self.inter = self.layers[0].gate_up.weight.shape[0] // 2 if self.layers else 0
@@ -202,7 +199,6 @@ class LeanDecoder:
             gate, up = _linear(x, w.gate_up).split(self.inter, dim=-1)
             hidden = hidden + _linear(torch.nn.functional.silu(gate) * up, w.down)
         return self.final_norm(hidden)
-
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """LM-head logits (float32) of hidden states [..., hidden], or None when the model's head

@@ -149,10 +149,10 @@ class NativeEngine:
     # -- forward --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: BatchState) -> torch.Tensor:
         """Run the decoder stack; returns the final-norm hidden states [B, T, H]. The lean stack
-        (`decoder.LeanDecoder`) when the model allows it and no forward hook is registered in the
-        decoder layers, the LM head or globally (hooks only fire on the module path), else
-        transformers' modules."""
-        if self.lean is None or self._layers_hooked():
+        (`decoder.LeanDecoder`) when the model allows it and `batch.lean` (no forward hook was
+        registered in the decoder layers, the LM head or globally when the batch began: hooks
+        only fire on the module path), else transformers' modules."""
+        if self.lean is None or not batch.lean:
             return self.forward_reference(input_ids, position_ids, batch)
         hidden = self.lean.forward(input_ids, position_ids, batch)
         batch.hidden = hidden
@@ -185,8 +185,8 @@ class NativeEngine:
         batch.hidden = hidden
         return hidden
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.lean.logits(hidden) if self.lean is not None and not self._layers_hooked() else None
+    def logits(self, hidden: torch.Tensor, batch: BatchState) -> torch.Tensor:
+        out = self.lean.logits(hidden) if self.lean is not None and batch.lean else None
         return out if out is not None else self.model.lm_head(hidden).float()
 
     # -- generation -----------------------------------------------------------------------
@@ -232,7 +232,8 @@ class NativeEngine:
         batch = BatchState(info=self.info, cache=cache, policy=stack, scaling=self.scaling, prompt_lens=plen_t,
                            tokens=[list(r.prompt_ids) for r in requests],
                            active=torch.ones(bsz, dtype=torch.bool, device=self.device),
-                           extras={i: r.extras for i, r in enumerate(requests)})
+                           extras={i: r.extras for i, r in enumerate(requests)},
+                           lean=not self._layers_hooked())  # checked once per batch, not per step
         stack.begin(batch)
 
         # prefill: one right-padded block (exact under a causal mask)
@@ -246,7 +247,7 @@ class NativeEngine:
         hidden = self.forward(ids, pos, batch)
         stack.after_forward(batch)
         last = hidden[torch.arange(bsz, device=self.device), plen_t - 1]
-        logits = self.logits(last)
+        logits = self.logits(last, batch)
 
         slots = [_Slot(r, n, m, r.sampling.make_generator(self.device), IncrementalDetokenizer(self.tokenizer),
                        StopStringMatcher(list(r.sampling.stop)))
@@ -296,7 +297,7 @@ class NativeEngine:
                 hidden = self.forward(next_tokens.view(-1, 1), positions.view(-1, 1), batch)
             stack.after_forward(batch)
             torch.maximum(run.kv_peak, cache.nbytes_per_slot(), out=run.kv_peak)
-            logits = self.logits(hidden[:, -1])
+            logits = self.logits(hidden[:, -1], batch)
             run.steps += 1
 
     def _advance(self, s: _Slot, logits: torch.Tensor, greedy: int) -> tuple[int, str]:

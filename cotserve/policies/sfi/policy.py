@@ -372,10 +372,11 @@ class SFIPolicy(Policy):
         self.wstart = [max(0, n - r) for n in self.lens]
         self.lo, self.hi = min(self.wstart), max(self.lens)
         ar = torch.arange(self.lo, self.hi, device=dev)
-        ws = torch.tensor(self.wstart, device=dev).view(-1, 1)
-        self.wmask = ((ar >= ws) & (ar < torch.tensor(self.lens, device=dev).view(-1, 1))).unsqueeze(1)
-        wstart_t = ws.view(-1).clamp(max=batch.cache.capacity - 1)
-        self.wrange = (ws.view(-1), torch.tensor(self.lens, device=dev))  # the kernel's window rows
+        ws = torch.tensor(self.wstart, device=dev)
+        lens_t = torch.tensor(self.lens, device=dev)
+        self.wrange = (ws, lens_t)  # the kernel's window rows
+        self.wmask = ((ar >= ws.view(-1, 1)) & (ar < lens_t.view(-1, 1))).unsqueeze(1)
+        wstart_t = ws.clamp(max=batch.cache.capacity - 1)
         self.any_fast = len(self.slow_slots) < sum(bool(a) for a in active) or not self.slow_slots
         if r > 0:  # position where each (layer, slot, head)'s window starts: [L, B, H]
             wpos = batch.cache.pos[:, self.bidx, :, wstart_t].permute(1, 0, 2)
@@ -468,10 +469,10 @@ class SFIPolicy(Policy):
         fast step's output for that group: Quest page bounds pick `dense_budget` entries
         (`fallback.page_bound_attention`), or, with `dense_budget=0` or bounds made stale by a
         cache compaction, dense attention over the whole history."""
-        n = self.lens[b]
+        cache = batch.cache
+        n = int(cache.lens[layer, b])  # this layer's (an eviction stack may compact layers differently)
         g = self.hq // self.dense.shape[-1]
         grp = slice(h * g, (h + 1) * g)
-        cache = batch.cache
         bounds = self.bounds.get((layer, b, h))
         if bounds is not None and bounds[1] == cache.compactions[layer][b]:
             o, _ = page_bound_attention(q[b, grp], cache.k[layer, b, h, :n], cache.v[layer, b, h, :n], bounds[0],
