@@ -55,9 +55,14 @@ def bundled_gguf_path(name: str) -> Path:
     return path
 
 
+# Bumped whenever the converted folder's content changes, so older caches are converted again.
+CONVERTED_FORMAT = "2"
+
+
 def _fingerprint(path: Path) -> str:
     """Cheap content fingerprint: size + the first and last MiB."""
     h = hashlib.sha256()
+    h.update(CONVERTED_FORMAT.encode())
     size = path.stat().st_size
     h.update(str(size).encode())
     with path.open("rb") as f:
@@ -95,10 +100,17 @@ def convert_gguf(gguf: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{slug}-", dir=target.parent))
     try:
         # save_pretrained refuses GGUF-quantized models; the weights are plain tensors now,
-        # so write them directly (save_model drops the tied lm_head duplicate).
-        from safetensors.torch import save_model
+        # so write them directly. A tied LM head is stored once, under the embedding's name
+        # (what transformers and vLLM both load: vLLM leaves a missing embedding unset).
+        from safetensors.torch import save_file
 
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        state = model.state_dict()
+        emb = model.get_input_embeddings().weight
+        tied = [k for k, v in state.items() if k != "model.embed_tokens.weight" and v.data_ptr() == emb.data_ptr()]
+        for k in tied:
+            del state[k]
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         model.config.dtype = "float32"
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:

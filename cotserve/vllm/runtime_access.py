@@ -1,0 +1,96 @@
+"""The worker process's one `SFIRuntime`, built at the first step from vLLM's config.
+
+Attention backends call `runtime_for` from their metadata builder (once per step) and `current`
+from their layers. The runtime is created only when a request has asked for SFI, so a dense
+engine never allocates anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+
+from cotserve.vllm.requests import ROWS
+from cotserve.vllm.sfi_runtime import SFIRuntime, StepPlan
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class Access:
+    runtime: SFIRuntime
+    layers: list  # vLLM Attention modules in layer order
+    paged: object = None
+
+    def kv_caches(self) -> list[torch.Tensor]:
+        out = []
+        for layer in self.layers:
+            kv = layer.kv_cache
+            out.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
+        return out
+
+    @staticmethod
+    def layer_index(layer) -> int:
+        m = _LAYER.search(layer.layer_name)
+        return int(m.group(1)) if m else 0
+
+    def plan_step(self, cm, block_size: int) -> StepPlan | None:
+        if not any(r.sfi is not None for r in ROWS.rows.values()) and not ROWS.released:
+            self.runtime.plan_now = None
+            return None
+        if self.paged is None:
+            self.paged = make_paged(self.layers[0], block_size, self.runtime.dtype)
+        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+        return self.runtime.plan(ROWS, cm.num_reqs, qsl, self.paged, self.kv_caches(), cm.block_table_tensor)
+
+
+_ACCESS: Access | None = None
+
+
+def current() -> Access | None:
+    return _ACCESS
+
+
+def make_paged(layer, block_size: int, dtype: torch.dtype):
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from cotserve.vllm.cpu_backend import CPUPagedKV, key_layout
+
+        return CPUPagedKV(block_size, key_layout(layer.isa, dtype, layer.impl.head_size))
+    from cotserve.vllm.cuda_paged import CUDAPagedKV
+
+    return CUDAPagedKV(block_size)
+
+
+def runtime_for(vllm_config, layer_names: list[str], device: torch.device) -> Access | None:
+    """The runtime, built on the first step that has an SFI request (None before that)."""
+    global _ACCESS
+    if _ACCESS is not None:
+        return _ACCESS
+    if not any(r.sfi is not None for r in ROWS.rows.values()):
+        return None
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention)
+    ordered = sorted(layers.values(), key=Access.layer_index)
+    mc = vllm_config.model_config
+    first = ordered[0]
+    tok = None
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+    except Exception as exc:  # boundaries then never fire; max_interval still refreshes
+        log.warning("sfi: no tokenizer for sentence boundaries (%s); refreshes come from max_interval only", exc)
+    rt = SFIRuntime(len(ordered), first.impl.num_heads, first.impl.num_kv_heads, first.impl.head_size,
+                    first.impl.scale, mc.dtype, device, tok)
+    _ACCESS = Access(rt, ordered)
+    log.info("sfi: runtime ready (%d layers)", len(ordered))
+    return _ACCESS

@@ -1,0 +1,276 @@
+"""SFI per request on vLLM's paged KV cache: the state, the per-step plan and the selection.
+
+One `SFIRuntime` per worker process, shared by the attention layers. The algorithm is the native
+policy's (`cotserve.policies.sfi`), from the same code: the trigger (`RefreshTrigger`), the
+evidence (`selector.evidence_and_instability` after `mask_rows_inplace`), the selector steps 2-5
+(`select_from_evidence`) and the two attention forms (`fast_attention`, `slow_attention`). What
+differs is where K/V live: vLLM's paged cache, read through a `PagedKV` accessor that the
+backend provides, with each entry's position equal to its index (vLLM does not evict).
+
+Per request (an SFI slot):
+* ring: the query rows of the last `obs_window` positions per layer (position p at p % obs_window),
+  written during prefill (the prompt's last rows) and at every decode step;
+* compact buffers: sinks + selected K/V per layer and KV head, packed at each refresh;
+* the trigger, and the telemetry counters.
+
+Per step (`plan`, once, from the metadata builder): each row's mode (dense, prefill, fast, slow),
+its token index, length and window start. A refresh (bootstrap after the prompt's last chunk, or a
+slow step) stashes the evidence per layer during the forward; the selection and the re-pack run
+for all layers of that request at the next `plan` (exact: the new selection is read from the
+next step on, as in the native engine where it runs after the last layer).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from cotserve.policies import selector as sel
+from cotserve.policies.boundaries import sentence_end_ids
+from cotserve.policies.sfi.attention import fast_attention, slow_attention
+from cotserve.policies.sfi.config import SFIConfig
+from cotserve.policies.sfi.policy import mask_rows_inplace, select_from_evidence
+from cotserve.policies.sfi.trigger import RefreshTrigger
+from cotserve.vllm.requests import BatchRows, RowRequest
+
+log = logging.getLogger(__name__)
+
+DENSE, PREFILL, FAST, SLOW = 0, 1, 2, 3
+
+
+class PagedKV(Protocol):
+    """Reads one layer's paged cache for one request (entries in position order)."""
+
+    def read(self, kv_cache: torch.Tensor, blocks: torch.Tensor, start: int, end: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, end): [H, end - start, D] each."""
+        ...
+
+
+@dataclass
+class SeqState:
+    """One SFI request's state (its slot)."""
+
+    cfg: SFIConfig
+    trigger: RefreshTrigger
+    prompt_len: int
+    kv_len: int = 0
+    steps: int = 0
+    slow_steps: int = 0
+    retained_sum: float = 0.0
+    k_eff: int = 0
+    ring: torch.Tensor | None = None  # [L, Hq, W, D]
+    ring_pos: list[int] = field(default_factory=list)  # position held at each ring index, -1 none
+    ck: torch.Tensor | None = None  # [L, H, C, D]
+    cv: torch.Tensor | None = None
+    cpos: torch.Tensor | None = None  # [L, H, C], -1 = empty
+    evidence: list[tuple[torch.Tensor, int] | None] | None = None  # per layer (f [H, n], now)
+    read_acc: float = 0.0  # compact entries read this step, summed over layers and heads
+
+
+@dataclass
+class RowPlan:
+    row: int
+    mode: int
+    tok: int  # first token index of the row in the step's flat query
+    ntok: int
+    seq: SeqState | None
+    new_len: int  # entries in the cache after this step
+    ws: int = 0  # window start (fast and slow steps)
+    bootstrap: bool = False  # prefill: this chunk ends the prompt
+
+
+@dataclass
+class StepPlan:
+    rows: list[RowPlan]
+
+    @property
+    def sfi_rows(self) -> list[RowPlan]:
+        return [r for r in self.rows if r.seq is not None]
+
+    @property
+    def decode_rows(self) -> list[RowPlan]:
+        return [r for r in self.rows if r.mode in (FAST, SLOW)]
+
+
+class SFIRuntime:
+    """SFI state of every SFI request in one worker's batch (see the module docstring)."""
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 dtype: torch.dtype, device: torch.device, tokenizer=None):
+        self.L, self.hq, self.hkv, self.d = num_layers, num_heads, num_kv_heads, head_dim
+        self.g = num_heads // num_kv_heads
+        self.scaling = scaling
+        self.dtype, self.device = dtype, device
+        self.boundaries = sentence_end_ids(tokenizer) if tokenizer is not None else frozenset()
+        self.plan_now: StepPlan | None = None
+        self.finished: list[SeqState] = []  # states of requests that left (telemetry readers)
+        self.last_layer = num_layers - 1
+
+    # -- per step ----------------------------------------------------------------------------
+    def plan(self, rows: BatchRows, num_reqs: int, query_start_loc: list[int], paged: PagedKV,
+             kv_caches: list[torch.Tensor], block_table: torch.Tensor) -> StepPlan:
+        """Once per step, before the forward: finish pending selections, then decide every row."""
+        for gone in rows.take_released():
+            if gone.state is not None:
+                self.finished.append(gone.state)
+                gone.state = None
+        out = []
+        for i in range(num_reqs):
+            tok, ntok = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
+            req = rows.rows.get(i)
+            if req is None or req.sfi is None or ntok == 0:
+                out.append(RowPlan(i, DENSE, tok, ntok, None, 0))
+                continue
+            st = req.state
+            if st is None:
+                st = req.state = self._new_state(req)
+            if st.evidence is not None:
+                self._select(st, paged, kv_caches, block_table[i])
+            new_len = st.kv_len + ntok
+            st.kv_len = new_len
+            if new_len <= st.prompt_len:
+                out.append(RowPlan(i, PREFILL, tok, ntok, st, new_len, bootstrap=new_len == st.prompt_len))
+                continue
+            seq = req.prompt_ids + req.output_ids
+            after = len(seq) >= 2 and seq[-2] in self.boundaries
+            slow = st.trigger.step(st.steps, after)
+            st.steps += 1
+            ws = max(0, new_len - st.cfg.recent)
+            st.read_acc = 0.0
+            out.append(RowPlan(i, SLOW if slow else FAST, tok, ntok, st, new_len, ws))
+        self.plan_now = StepPlan(out)
+        return self.plan_now
+
+    def _new_state(self, req: RowRequest) -> SeqState:
+        cfg: SFIConfig = req.sfi
+        w = cfg.obs_window
+        c = cfg.sinks + cfg.k
+        return SeqState(
+            cfg=cfg, trigger=RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
+            prompt_len=len(req.prompt_ids),
+            ring=torch.zeros(self.L, self.hq, w, self.d, dtype=self.dtype, device=self.device),
+            ring_pos=[-1] * w,
+            ck=torch.zeros(self.L, self.hkv, c, self.d, dtype=self.dtype, device=self.device),
+            cv=torch.zeros(self.L, self.hkv, c, self.d, dtype=self.dtype, device=self.device),
+            cpos=torch.full((self.L, self.hkv, c), -1, dtype=torch.long, device=self.device),
+        )
+
+    # -- per layer ---------------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+               block_table: torch.Tensor, paged: PagedKV) -> None:
+        """SFI's part of one layer's attention: q and out [tokens, Hq, D]. Writes the rows of
+        fast and slow steps into `out`; records prompt queries and bootstrap evidence."""
+        plan = self.plan_now
+        if plan is None:
+            return
+        for r in plan.sfi_rows:
+            st = r.seq
+            w = st.cfg.obs_window
+            blocks = block_table[r.row]
+            if r.mode == PREFILL:
+                m = min(w, r.ntok)
+                for p in range(r.new_len - m, r.new_len):
+                    st.ring[layer, :, p % w] = q[r.tok + p - (r.new_len - r.ntok)]
+                    if layer == 0:
+                        st.ring_pos[p % w] = p
+                if r.bootstrap:
+                    self._bootstrap(layer, st, r, kv_cache, blocks, paged)
+                continue
+            pos = r.new_len - 1
+            st.ring[layer, :, pos % w] = q[r.tok]
+            if layer == 0:
+                st.ring_pos[pos % w] = pos
+            if r.mode == FAST:
+                out[r.tok] = self._fast(layer, st, r, q[r.tok], kv_cache, blocks, paged)
+            else:
+                out[r.tok] = self._slow(layer, st, r, kv_cache, blocks, paged)
+        if layer == self.last_layer:
+            self._account(plan)
+
+    def _fast(self, layer: int, st: SeqState, r: RowPlan, q: torch.Tensor, kv_cache, blocks, paged) -> torch.Tensor:
+        wk, wv = paged.read(kv_cache, blocks, r.ws, r.new_len)
+        cpos = st.cpos[layer]
+        cmask = (cpos >= 0) & (cpos < r.ws)
+        st.read_acc += float(cmask.sum())
+        wmask = torch.ones(1, 1, wk.shape[1], dtype=torch.bool, device=q.device)
+        o = fast_attention(q.view(1, self.hq, 1, self.d), st.ck[layer].transpose(-1, -2).unsqueeze(0),
+                           st.cv[layer].unsqueeze(0), cmask.unsqueeze(0), wk.unsqueeze(0), wv.unsqueeze(0), wmask,
+                           self.scaling)
+        return o.view(self.hq, self.d)
+
+    def _rows(self, st: SeqState) -> tuple[list[int], list[int]]:
+        idx = [i for i, p in enumerate(st.ring_pos) if p >= 0]
+        return idx, [st.ring_pos[i] for i in idx]
+
+    def _slow(self, layer: int, st: SeqState, r: RowPlan, kv_cache, blocks, paged) -> torch.Tensor:
+        k, v = paged.read(kv_cache, blocks, 0, r.new_len)
+        idx, row_pos = self._rows(st)
+        cur = row_pos.index(r.new_len - 1)
+        o, logits = slow_attention(st.ring[layer, :, idx], cur, k, v, self.scaling)
+        self._stash(layer, st, logits, row_pos, r.new_len)
+        return o.view(self.hq, self.d)
+
+    def _bootstrap(self, layer: int, st: SeqState, r: RowPlan, kv_cache, blocks, paged) -> None:
+        k, _ = paged.read(kv_cache, blocks, 0, r.new_len)
+        idx, row_pos = self._rows(st)
+        qrows = st.ring[layer, :, idx]  # [Hq, w, D]
+        w = len(idx)
+        logits = torch.matmul(qrows.reshape(self.hkv, self.g * w, -1) * self.scaling, k.transpose(-1, -2)).float()
+        self._stash(layer, st, logits.view(self.hkv, self.g, w, r.new_len), row_pos, r.new_len)
+
+    def _stash(self, layer: int, st: SeqState, logits: torch.Tensor, row_pos: list[int], n: int) -> None:
+        pos = torch.arange(n, device=logits.device).expand(self.hkv, n)
+        mask_rows_inplace(logits, pos, torch.tensor(row_pos, device=logits.device), st.cfg.sinks)
+        oldest = min(range(len(row_pos)), key=row_pos.__getitem__)
+        f, _ = sel.evidence_and_instability(logits, st.cfg.alpha, st.cfg.k, st.cfg.recent, oldest, False)
+        if st.evidence is None:
+            st.evidence = [None] * self.L
+        st.evidence[layer] = (f, max(row_pos))
+
+    # -- selection ---------------------------------------------------------------------------
+    def _select(self, st: SeqState, paged: PagedKV, kv_caches: list[torch.Tensor], blocks: torch.Tensor) -> None:
+        """Selector steps 2-5 for every layer of one request at once, then the re-pack."""
+        per_layer, st.evidence = st.evidence, None
+        if any(item is None for item in per_layer):
+            log.warning("sfi: a refresh saw only some layers; keeping the previous selection")
+            return
+        cfg = st.cfg
+        n, now = per_layer[0][0].shape[-1], per_layer[0][1]
+        f = torch.stack([item[0] for item in per_layer])  # [L, H, n]
+        keys, vals = zip(*(paged.read(kv, blocks, 0, n) for kv in kv_caches), strict=True)
+        k_all, v_all = torch.stack(keys), torch.stack(vals)  # [L, H, n, D]
+        pos = torch.arange(n, device=f.device).expand(self.L, self.hkv, n)
+        norms = k_all.float().norm(dim=-1)
+        idx = select_from_evidence(cfg, f, pos, norms, now)  # [L, H, ke]
+        ns = min(cfg.sinks, n)
+        keep = torch.cat([torch.arange(ns, device=idx.device).expand(self.L, self.hkv, ns), idx], dim=-1)
+        m = keep.shape[-1]
+        gi = keep.unsqueeze(-1).expand(-1, -1, -1, self.d)
+        st.cpos.fill_(-1)
+        st.cpos[:, :, :m] = keep
+        st.ck[:, :, :m] = torch.gather(k_all, 2, gi)
+        st.cv[:, :, :m] = torch.gather(v_all, 2, gi)
+        st.k_eff = idx.shape[-1]
+
+    def _account(self, plan: StepPlan) -> None:
+        for r in plan.decode_rows:
+            st = r.seq
+            if r.mode == SLOW:
+                st.slow_steps += 1
+                st.retained_sum += 1.0
+            else:
+                read = st.read_acc / (self.L * self.hkv) + (r.new_len - r.ws)
+                st.retained_sum += min(1.0, read / max(r.new_len, 1))
+
+    # -- telemetry ---------------------------------------------------------------------------
+    @staticmethod
+    def telemetry(st: SeqState) -> dict[str, float | int]:
+        n = st.steps
+        return {"sfi_steps": n, "sfi_slow_steps": st.slow_steps,
+                "sfi_slow_step_ratio": round(st.slow_steps / n, 4) if n else 0.0,
+                "sfi_retained_ratio": round(st.retained_sum / n, 4) if n else 1.0,
+                "sfi_selected_per_head": st.k_eff}
