@@ -1,0 +1,92 @@
+"""`python -m cotserve.bench.vllm_parts`: the CUDA SFI path's parts timed alone (JSON lines).
+
+* the paged fast-step kernel (`kernels.sfi_paged`) against FlashAttention-sized reads: rows x
+  KV heads x (compact + window) entries, with the bytes it must move and the bandwidth reached;
+* a batched refresh (`GraphSFI.refresh`: evidence, selector, re-pack) of J requests of n entries
+  over every layer, on random caches in vLLM's FlashAttention layout.
+Needs a CUDA GPU; shapes default to Qwen3-4B's attention (36 layers, 32/8 heads, head dim 128).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+
+
+def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int = 2112, window: int = 256,
+                context: int = 8192, bs: int = 16) -> dict:
+    import triton
+
+    from cotserve.kernels.sfi_paged import sfi_paged_fast
+
+    dev = torch.device("cuda")
+    nb = rows * (context // bs + 1)
+    q = torch.randn(rows, hkv * g, d, device=dev, dtype=torch.bfloat16)
+    ck = torch.randn(rows, hkv, c, d, device=dev, dtype=torch.bfloat16)
+    cv = torch.randn_like(ck)
+    cpos = torch.randint(0, context - window, (rows, hkv, c), device=dev, dtype=torch.int32)
+    kv = torch.randn(nb, hkv, bs, 2 * d, device=dev, dtype=torch.bfloat16)
+    kc, vc = kv.transpose(1, 2).split(d, dim=-1)
+    bt = torch.randperm(nb, device=dev)[: rows * (context // bs)].view(rows, -1).to(torch.int32)
+    mode = torch.ones(rows, dtype=torch.int32, device=dev)
+    slot = torch.arange(rows, dtype=torch.int32, device=dev)
+    lens = torch.full((rows,), context, dtype=torch.int32, device=dev)
+    ws = lens - window
+    out = torch.empty_like(q)
+    res = {}
+    for bn in (32, 64, 128):
+        ms = triton.testing.do_bench(lambda bn=bn: sfi_paged_fast(q, out, ck, cv, cpos, kc, vc, bt, mode, slot, slot,
+                                                                 ws, lens, 0.088, block_n=bn), quantiles=[0.5])
+        ms = ms[0] if isinstance(ms, (list, tuple)) else ms
+        moved = rows * hkv * (c + window) * d * 2 * 2
+        res[f"block_n={bn}"] = {"ms": round(ms, 4), "GB/s": round(moved / ms / 1e6, 1)}
+    return {"part": "fast_kernel", "rows": rows, "entries": c + window, **res}
+
+
+def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 16) -> dict:
+    from cotserve.policies.sfi.config import SFIConfig
+    from cotserve.policies.sfi.trigger import RefreshTrigger
+    from cotserve.vllm.graph_sfi import GraphSFI, SlotState
+    from cotserve.vllm.requests import BatchRows
+
+    dev = torch.device("cuda")
+    nb = j * (n // bs + 1)
+    caches = [SimpleNamespace(kv_cache=torch.randn(nb, hkv, bs, 2 * d, device=dev, dtype=torch.bfloat16))
+              for _ in range(layers)]
+    rt = GraphSFI(caches, hq, hkv, d, 0.088, torch.bfloat16, dev, slots=j, max_rows=j, rows=BatchRows())
+    rt.ring.normal_()
+    cfg = SFIConfig(k=2048, recent=256, dense_heads=0)
+    blocks = torch.randperm(nb, device=dev)[: j * (n // bs)].view(j, -1).to(torch.int32)
+
+    def states():
+        return [SlotState(cfg, RefreshTrigger(), n, s, ring_pos=[n - 8 + ((i - n) % 8) for i in range(8)],
+                          refresh_n=n) for s in range(j)]
+
+    rt.refresh(states(), blocks, bs)  # warm-up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 3
+    start.record()
+    for _ in range(reps):
+        rt.refresh(states(), blocks, bs)
+    end.record()
+    torch.cuda.synchronize()
+    return {"part": "refresh", "requests": j, "entries": n, "layers": layers, "ms": round(start.elapsed_time(end) / reps, 2)}
+
+
+def main() -> None:
+    for fn, kw in [(time_kernel, {}), (time_kernel, {"rows": 4}), (time_refresh, {"j": 1, "n": 8192}),
+                   (time_refresh, {"j": 16, "n": 8192}), (time_refresh, {"j": 4, "n": 32768}),
+                   (time_refresh, {"j": 1, "n": 131072})]:
+        try:
+            print(json.dumps(fn(**kw)), flush=True)
+        except Exception as exc:  # one failing part must not hide the others
+            print(json.dumps({"part": fn.__name__, **kw, "error": f"{type(exc).__name__}: {exc}"}), file=sys.stdout)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The CUDA attention backend (vLLM 0.26): FlashAttention plus SFI per request, graph-safe.
+
+Registered as `AttentionBackendEnum.CUSTOM` (a subclass of vLLM's FlashAttention backend). Every
+decode step, FULL CUDA graph or not, runs the same launches per layer:
+
+1. vLLM's FlashAttention over every row, with the lengths of SFI fast rows set to one entry (it
+   reads nothing of their history); dense rows and SFI slow rows read their whole history;
+2. one `index_put` that writes the step's query rows of SFI requests into their rings;
+3. `kernels.sfi_paged.sfi_paged_fast`, one program per (row, KV head) on a fixed grid, which
+   overwrites the fast rows' outputs with attention over compact buffer + recent window.
+
+Which row is what lives in persistent GPU tensors that the metadata builder fills before every
+step (outside the graph); so do the FlashAttention lengths. The refreshes (bootstrap after the
+prompt, slow steps) need the evidence of the last `obs_window` queries over the whole history:
+the queries are in the ring and the keys in the paged cache, so the builder computes it at the
+next step, with the selector and the re-pack (`GraphSFI.refresh`), in eager torch outside the
+graph; the selection it makes is read from that step on, exactly as in the native engine.
+
+Memory: compact buffers of `slots x layers x KV heads x (sinks + k_max) x head_dim` for K and V
+in the cache dtype, allocated when the engine starts (before the graphs are captured):
+`COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64) SFI requests run at
+once; more wait for a slot as dense... see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (2048) caps k.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+
+import torch
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+)
+
+from cotserve.kernels.sfi_paged import sfi_paged_fast
+from cotserve.vllm.graph_sfi import GraphSFI
+
+log = logging.getLogger(__name__)
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+_RUNTIME: GraphSFI | None = None
+
+
+def _runtime(vllm_config, device) -> GraphSFI:
+    global _RUNTIME
+    if _RUNTIME is None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = get_layers_from_vllm_config(vllm_config, Attention)
+        ordered = sorted(layers.values(), key=lambda m: int(_LAYER.search(m.layer_name).group(1)))
+        mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+        first = ordered[0].impl
+        max_rows = max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+        slots = int(os.environ.get("COTSERVE_VLLM_SFI_SLOTS", min(sc.max_num_seqs, 64)))
+        max_k = int(os.environ.get("COTSERVE_VLLM_SFI_MAX_K", 2048))
+        tok = None
+        if not mc.skip_tokenizer_init:
+            try:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+            except Exception as exc:
+                log.warning("sfi: no tokenizer for sentence boundaries (%s); refreshes come from max_interval", exc)
+        _RUNTIME = GraphSFI(ordered, first.num_heads, first.num_kv_heads, first.head_size, first.scale,
+                            mc.dtype, device, slots=slots, max_rows=max_rows, max_k=max_k, tokenizer=tok)
+    return _RUNTIME
+
+
+def split_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.26's FlashAttention cache [blocks, H, block, 2 D] (NHD in memory) -> K, V views
+    [blocks, block, H, D], as its FlashAttentionImpl splits it."""
+    k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return k, v
+
+
+class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.sfi = _runtime(vllm_config, device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        cm = copy.copy(common_attn_metadata)
+        cm.seq_lens = self.sfi.step(cm, self.block_size, self.head_size_of())
+        return super().build(common_prefix_len, cm, fast_build)
+
+    def head_size_of(self) -> int:
+        return self.headdim
+
+
+class CotserveFlashImpl(FlashAttentionImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                              output_block_scale)
+        if attn_metadata is None or _RUNTIME is None:
+            return out
+        rt = _RUNTIME
+        li = int(_LAYER.search(layer.layer_name).group(1))
+        t = query.shape[0]
+        q = query.view(t, self.num_heads, self.head_size)
+        o = output.view(output.shape[0], self.num_heads, self.head_size)
+        rt.write_ring(li, q)
+        kc, vc = split_kv(kv_cache, self.head_size)
+        rows = min(t, rt.max_rows, attn_metadata.block_table.shape[0])
+        sfi_paged_fast(q, o, rt.ck[li], rt.cv[li], rt.cpos[li], kc, vc, attn_metadata.block_table, rt.row_mode,
+                       rt.row_slot, rt.row_tok, rt.row_ws, rt.row_len, self.scale, rows=rows)
+        return out
+
+
+class CotserveFlashBackend(FlashAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return CotserveFlashImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return CotserveFlashMetadataBuilder

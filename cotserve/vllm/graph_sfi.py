@@ -1,0 +1,319 @@
+"""SFI state for graph-captured decoding on vLLM's paged cache (the CUDA backend's runtime).
+
+Everything a captured step reads lives in persistent tensors, allocated once:
+
+* compact buffers `ck`, `cv` [L, slots, Hkv, C, D] and their positions `cpos` [L, slots, Hkv, C]
+  (-1 = empty), C = sinks + k rounded up to 64;
+* rings [L, slots + 1, W, Hq, D] of query rows (slot `slots` is scratch: dense rows write there);
+* per batch row: mode (0 dense or prefill, 1 fast, 2 slow), slot, token index, window start,
+  length; the ring writes of the step (token, slot, ring index);
+* FlashAttention's lengths (a fast row's is 1: FlashAttention then reads almost nothing of it).
+
+`step` runs once per step in the metadata builder, outside any graph: it finishes the refreshes
+due from the previous step (evidence of the ring's rows over the paged history, selector steps
+2-5, re-pack; `refresh`), decides every row with the native policy's `RefreshTrigger`, and fills
+the tensors. The evidence, fusion, soft-NMS, exclusivity and top-K are `cotserve.policies`' own
+functions, run on all layers of a request at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cotserve.policies import selector as sel
+from cotserve.policies.boundaries import sentence_end_ids
+from cotserve.policies.sfi.config import SFIConfig
+from cotserve.policies.sfi.policy import select_from_evidence
+from cotserve.policies.sfi.trigger import RefreshTrigger
+from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
+
+log = logging.getLogger(__name__)
+
+
+def write_telemetry(tele: dict) -> None:
+    """Append a finished request's SFI telemetry to $COTSERVE_VLLM_TELEMETRY (a JSON line), the
+    benchmarks' way out of vLLM's engine process."""
+    path = os.environ.get("COTSERVE_VLLM_TELEMETRY")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(tele) + "\n")
+
+W_MAX = 32  # obs_window at most
+
+
+@dataclass
+class SlotState:
+    cfg: SFIConfig
+    trigger: RefreshTrigger
+    prompt_len: int
+    slot: int
+    kv_len: int = 0
+    steps: int = 0
+    slow_steps: int = 0
+    retained_sum: float = 0.0
+    ring_pos: list[int] = field(default_factory=list)
+    refresh_n: int = 0  # > 0: a refresh over this many entries is due at the next step
+    k_eff: int = 0
+
+
+class GraphSFI:
+    def __init__(self, layers: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype, device: torch.device, slots: int, max_rows: int, max_k: int = 2048,
+                 max_sinks: int = 16, tokenizer=None, rows: BatchRows | None = None):
+        self.layers = layers
+        self.L, self.hq, self.hkv, self.d = len(layers), num_heads, num_kv_heads, head_dim
+        self.g = num_heads // num_kv_heads
+        self.scale = scale
+        self.device = torch.device(device)
+        self.slots = slots
+        self.max_rows = max_rows
+        self.max_k = max_k
+        self.C = -(-(max_k + max_sinks) // 64) * 64
+        self.rows = rows if rows is not None else ROWS
+        self.boundaries = sentence_end_ids(tokenizer) if tokenizer is not None else frozenset()
+        L, S, H, C, D = self.L, slots, num_kv_heads, self.C, head_dim  # noqa: N806
+        dev = self.device
+        self.ck = torch.zeros(L, S, H, C, D, dtype=dtype, device=dev)
+        self.cv = torch.zeros(L, S, H, C, D, dtype=dtype, device=dev)
+        self.cpos = torch.full((L, S, H, C), -1, dtype=torch.int32, device=dev)
+        self.ring = torch.zeros(L, S + 1, W_MAX, num_heads, D, dtype=dtype, device=dev)
+        r = max_rows
+        self.row_mode = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_slot = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_tok = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_ws = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_len = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.fa_lens = torch.zeros(r, dtype=torch.int32, device=dev)
+        nw = r * 4  # ring writes per step: one per decode row, a few per prefill row (more go eager)
+        self.nw = nw
+        self.w_tok = torch.zeros(nw, dtype=torch.long, device=dev)
+        self.w_slot = torch.full((nw,), S, dtype=torch.long, device=dev)
+        self.w_idx = torch.zeros(nw, dtype=torch.long, device=dev)
+        self.free = list(range(S))
+        self.finished: list[SlotState] = []
+        self.extra_writes: list[tuple[int, int, int]] = []  # ring writes beyond nw (eager steps only)
+        self.any_sfi = False
+        self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
+        self.refreshes = 0
+        log.info("sfi: %d slots, C=%d, %.2f GiB of compact buffers", S, C,
+                 2 * self.ck.numel() * self.ck.element_size() / 2**30)
+
+    # -- per step, outside the graph -----------------------------------------------------------
+    def step(self, cm, block_size: int, head_size: int | None = None) -> torch.Tensor:
+        """Plan the step; returns FlashAttention's lengths (a view of a persistent buffer)."""
+        t0 = time.perf_counter()
+        try:
+            return self._step(cm, block_size)
+        finally:
+            self.host_s += time.perf_counter() - t0
+
+    def _step(self, cm, block_size: int) -> torch.Tensor:
+        for gone in self.rows.take_released():
+            self._release(gone)
+        n_reqs = cm.num_reqs
+        # fresh (pageable) host tensors each step: their copies are staged at once, so a CPU that
+        # runs ahead of the GPU (async scheduling) never overwrites a pending transfer
+        host = torch.zeros(5, self.max_rows, dtype=torch.int32)
+        whost = torch.zeros(3, self.nw, dtype=torch.long)
+        whost[1].fill_(self.slots)
+        self.extra_writes = []
+        nwrite = 0
+        any_sfi = False
+        qsl = cm.query_start_loc_cpu[: n_reqs + 1].tolist() if n_reqs else [0]
+        due: list[tuple[SlotState, torch.Tensor]] = []
+        for i in range(min(n_reqs, self.max_rows)):
+            req = self.rows.rows.get(i)
+            if req is not None and isinstance(req.state, SlotState) and req.state.refresh_n:
+                due.append((req.state, cm.block_table_tensor[i]))
+        t1 = time.perf_counter()
+        self.refresh_all(due, block_size)
+        self.refresh_host_s += time.perf_counter() - t1
+        self.refreshes += len(due)
+        for i in range(min(n_reqs, self.max_rows)):
+            req = self.rows.rows.get(i)
+            if req is None or req.sfi is None:
+                continue
+            st = req.state
+            if st is None:
+                st = self._admit(req)
+                if st is None:
+                    continue
+            any_sfi = True
+            tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
+            if ntok == 0:
+                continue
+            new_len = st.kv_len + ntok
+            st.kv_len = new_len
+            w = st.cfg.obs_window
+            if new_len <= st.prompt_len:  # prefill: record the prompt's last rows
+                m = min(w, ntok)
+                for p in range(new_len - m, new_len):
+                    entry = (tok + p - (new_len - ntok), st.slot, p % w)
+                    if nwrite < self.nw:
+                        whost[:, nwrite] = torch.tensor(entry)
+                        nwrite += 1
+                    else:
+                        self.extra_writes.append(entry)
+                    st.ring_pos[p % w] = p
+                if new_len == st.prompt_len:
+                    st.refresh_n = new_len
+                continue
+            seq_prev = req.output_ids[-2] if len(req.output_ids) >= 2 else (
+                req.prompt_ids[-1] if req.prompt_ids else -1)
+            slow = st.trigger.step(st.steps, seq_prev in self.boundaries)
+            st.steps += 1
+            pos = new_len - 1
+            ws = max(0, new_len - st.cfg.recent)
+            if nwrite < self.nw:
+                whost[:, nwrite] = torch.tensor((tok, st.slot, pos % w))
+                nwrite += 1
+            else:
+                self.extra_writes.append((tok, st.slot, pos % w))
+            st.ring_pos[pos % w] = pos
+            host[:, i] = torch.tensor((2 if slow else 1, st.slot, tok, ws, new_len), dtype=torch.int32)
+            if slow:
+                st.slow_steps += 1
+                st.retained_sum += 1.0
+                st.refresh_n = new_len
+            else:  # an upper bound: compact entries the window covers are counted as read
+                read = min(st.k_eff + min(st.cfg.sinks, new_len), ws) + (new_len - ws)
+                st.retained_sum += min(1.0, read / new_len)
+        self.any_sfi = any_sfi
+        for t, src in zip((self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len), host,
+                          strict=True):
+            t.copy_(src, non_blocking=True)
+        self.w_tok.copy_(whost[0], non_blocking=True)
+        self.w_slot.copy_(whost[1], non_blocking=True)
+        self.w_idx.copy_(whost[2], non_blocking=True)
+        lens = cm.seq_lens
+        n = lens.shape[0]
+        fa = self.fa_lens[:n]
+        torch.where(self.row_mode[:n] == 1, torch.ones_like(lens), lens, out=fa)
+        return fa
+
+    def _admit(self, req: RowRequest) -> SlotState | None:
+        cfg: SFIConfig = req.sfi
+        if cfg.k > self.max_k or cfg.obs_window > W_MAX or cfg.sinks > self.C - self.max_k:
+            log.warning("sfi: request options beyond the engine's buffers (k <= %d, obs_window <= %d); "
+                        "it decodes densely", self.max_k, W_MAX)
+            req.sfi = None
+            return None
+        if not self.free:
+            log.warning("sfi: all %d SFI slots are busy; this request decodes densely "
+                        "(raise COTSERVE_VLLM_SFI_SLOTS)", self.slots)
+            req.sfi = None
+            return None
+        slot = self.free.pop(0)
+        st = SlotState(cfg, RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
+                       len(req.prompt_ids), slot, ring_pos=[-1] * cfg.obs_window)
+        self.cpos[:, slot].fill_(-1)
+        req.state = st
+        return st
+
+    def _release(self, req: RowRequest) -> None:
+        st = req.state
+        if isinstance(st, SlotState):
+            self.finished.append(st)
+            write_telemetry({**self.telemetry(st), "runtime_host_s": round(self.host_s, 4),
+                             "runtime_refresh_host_s": round(self.refresh_host_s, 4), "runtime_refreshes": self.refreshes})
+            self.free.append(st.slot)
+            req.state = None
+
+    # -- inside the step (captured) -------------------------------------------------------------
+    def write_ring(self, layer: int, q: torch.Tensor) -> None:
+        """The step's query rows of SFI requests into their rings (scratch slot for the rest)."""
+        t = q.shape[0]
+        idx = self.w_tok.clamp(max=t - 1)
+        self.ring[layer].index_put_((self.w_slot, self.w_idx), q[idx])
+        for tok, slot, w in self.extra_writes:  # long prompt chunks with many SFI requests: eager steps only
+            self.ring[layer, slot, w] = q[tok]
+
+    # -- refresh: evidence, selection, re-pack -------------------------------------------------
+    def refresh_all(self, due: list[tuple[SlotState, torch.Tensor]], block_size: int) -> None:
+        """Run the due refreshes, those with the same options, length and ring rows together."""
+        groups: dict[tuple, list[tuple[SlotState, torch.Tensor]]] = {}
+        for st, blocks in due:
+            rows = tuple(p for p in st.ring_pos if 0 <= p < st.refresh_n)
+            groups.setdefault((repr(st.cfg), st.refresh_n, rows), []).append((st, blocks))
+        for group in groups.values():
+            self.refresh([st for st, _ in group], torch.stack([b for _, b in group]), block_size)
+
+    def _read_many(self, layer: int, blocks: torch.Tensor, n: int, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the first n entries of J requests (block table rows `blocks` [J, ...]): [J, H, n, D]."""
+        kv = self.layers[layer].kv_cache
+        kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+        k, v = kv.transpose(1, 2).split(self.d, dim=-1)  # [blocks, block, H, D]
+        nb = -(-n // block_size)
+        b = blocks[:, :nb].long()
+        j = b.shape[0]
+        kk = k[b].reshape(j, nb * block_size, self.hkv, self.d)[:, :n].transpose(1, 2)
+        vv = v[b].reshape(j, nb * block_size, self.hkv, self.d)[:, :n].transpose(1, 2)
+        return kk, vv
+
+    def refresh(self, states: list[SlotState], blocks: torch.Tensor, block_size: int, budget: int = 1 << 28) -> None:
+        """Evidence of the ring's rows over the first `refresh_n` entries, then selector steps 2-5
+        and the re-pack, for every layer of J requests with equal options, length and ring rows
+        (`blocks` [J, max blocks]); the layers go in chunks that keep the float32 logits under
+        `budget` elements."""
+        st0 = states[0]
+        cfg, n = st0.cfg, st0.refresh_n
+        idx = [i for i, p in enumerate(st0.ring_pos) if 0 <= p < n]
+        rp = [st0.ring_pos[i] for i in idx]
+        now, oldest, r, j = max(rp), min(rp), len(idx), len(states)
+        for st in states:
+            st.refresh_n = 0
+        dev = self.device
+        row_pos = torch.tensor(rp, device=dev)
+        ridx = torch.tensor(idx, device=dev)
+        slots = torch.tensor([st.slot for st in states], device=dev)
+        pos = torch.arange(n, device=dev)
+        chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
+        fs, norms = [], []
+        for l0 in range(0, self.L, chunk):
+            ls = range(l0, min(self.L, l0 + chunk))
+            k = torch.stack([self._read_many(li, blocks, n, block_size)[0] for li in ls], 1)  # [J, l, H, n, D]
+            q = self.ring[l0 : l0 + len(ls)][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
+            q = q.permute(1, 0, 3, 2, 4).reshape(j, len(ls), self.hkv, self.g * r, self.d)
+            logits = torch.matmul(q * self.scale, k.transpose(-1, -2)).float()
+            logits = logits.view(j, len(ls), self.hkv, self.g, r, n)
+            logits[..., : cfg.sinks] = float("-inf")
+            if oldest + 1 < n:  # causal: a row sees no entry newer than itself
+                tail = logits[..., oldest + 1 :]
+                tail.masked_fill_(pos[oldest + 1 :] > row_pos.view(r, 1), float("-inf"))
+            f, _ = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, 0, False)
+            fs.append(f)
+            norms.append(k.float().norm(dim=-1))
+        f = torch.cat(fs, 1)  # [J, L, H, n]
+        keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), torch.cat(norms, 1), now)
+        ns = min(cfg.sinks, n)
+        keys = torch.cat([pos[:ns].expand(j, self.L, self.hkv, ns), keep], dim=-1)  # [J, L, H, m]
+        m = keys.shape[-1]
+        self.cpos[:, slots] = -1
+        self.cpos[:, slots, :, :m] = keys.transpose(0, 1).to(torch.int32)
+        gi = keys.unsqueeze(-1).expand(-1, -1, -1, -1, self.d)
+        for l0 in range(0, self.L, chunk):
+            ls = range(l0, min(self.L, l0 + chunk))
+            kv = [self._read_many(li, blocks, n, block_size) for li in ls]
+            kk = torch.stack([a for a, _ in kv], 1)
+            vv = torch.stack([b for _, b in kv], 1)
+            g = gi[:, l0 : l0 + len(ls)]
+            self.ck[l0 : l0 + len(ls), slots, :, :m] = torch.gather(kk, 3, g).transpose(0, 1)
+            self.cv[l0 : l0 + len(ls), slots, :, :m] = torch.gather(vv, 3, g).transpose(0, 1)
+        for st in states:
+            st.k_eff = keep.shape[-1]
+
+    # -- telemetry -----------------------------------------------------------------------------
+    @staticmethod
+    def telemetry(st: SlotState) -> dict[str, float | int]:
+        n = st.steps
+        return {"sfi_steps": n, "sfi_slow_steps": st.slow_steps,
+                "sfi_slow_step_ratio": round(st.slow_steps / n, 4) if n else 0.0,
+                "sfi_retained_ratio": round(st.retained_sum / n, 4) if n else 1.0,
+                "sfi_selected_per_head": st.k_eff}

@@ -1,0 +1,139 @@
+"""SFI's fast step on vLLM's paged cache: compact buffer + recent window, one softmax.
+
+For each batch row flagged fast (`row_mode == 1`) and each KV head, the G query heads of its
+group attend over two segments in one online softmax:
+
+* the request's compact buffer (`ck`, `cv` [slots, Hkv, C, D], positions `cpos` [slots, Hkv, C]),
+  entries read where 0 <= cpos < window start (the moving window covers the newer ones);
+* the recent window, positions [ws, n), read in place from vLLM's paged cache through the
+  row's block table (`key_cache`, `value_cache` [blocks, block_size, Hkv, D]).
+
+Rows with any other mode are left untouched (vLLM's FlashAttention has written them). One program
+per (row, KV head) with a fixed grid, so the launch is the same at every step and can live inside
+a CUDA graph; what changes per step is only the contents of the row tensors.
+
+`sfi_paged_fast_reference` is the plain torch twin (per row and head); the Triton kernel is
+tested against it on random inputs (on the CPU through TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    HAVE_TRITON = False
+
+
+def sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot,
+                             row_tok, row_ws, row_len, scale: float) -> torch.Tensor:
+    """Plain torch: q/out [tokens, Hq, D]; writes out[tok] of every fast row; returns out."""
+    hkv = ck.shape[1]
+    hq = q.shape[1]
+    g = hq // hkv
+    bs = key_cache.shape[1]
+    for row in range(row_mode.shape[0]):
+        if int(row_mode[row]) != 1:
+            continue
+        slot, tok, ws, n = int(row_slot[row]), int(row_tok[row]), int(row_ws[row]), int(row_len[row])
+        pos = torch.arange(ws, n, device=q.device)
+        blocks = block_table[row, pos // bs].long()
+        for h in range(hkv):
+            sel = (cpos[slot, h] >= 0) & (cpos[slot, h] < ws)
+            keys = torch.cat([ck[slot, h][sel], key_cache[blocks, pos % bs, h]], 0).float()
+            vals = torch.cat([cv[slot, h][sel], value_cache[blocks, pos % bs, h]], 0).float()
+            qh = q[tok, h * g : (h + 1) * g].float()
+            p = torch.softmax(qh @ keys.T * scale, dim=-1)
+            out[tok, h * g : (h + 1) * g] = (p @ vals).to(out.dtype)
+    return out
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _sfi_fast_kernel(Q, Out, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
+                         sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
+                         skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
+                         C: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        mode = tl.load(ROW_MODE + row)
+        if mode == 1:
+            slot = tl.load(ROW_SLOT + row).to(tl.int64)
+            tok = tl.load(ROW_TOK + row).to(tl.int64)
+            ws = tl.load(ROW_WS + row)
+            n = tl.load(ROW_LEN + row)
+            offs_g = tl.arange(0, GP)
+            offs_d = tl.arange(0, D)
+            gmask = offs_g < G
+            heads = h * G + offs_g
+            q = tl.load(Q + tok * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+            q = (q.to(tl.float32) * scale).to(KC.dtype.element_ty)
+            m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([GP], dtype=tl.float32)
+            acc = tl.zeros([GP, D], dtype=tl.float32)
+            for start in range(0, C, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                inb = offs_n < C
+                cp = tl.load(CPOS + slot * scp_s + h * scp_h + offs_n, mask=inb, other=-1)
+                valid = (cp >= 0) & (cp < ws)
+                k = tl.load(CK + slot * sck_s + h * sck_h + offs_n[:, None] * sck_c + offs_d[None, :],
+                            mask=inb[:, None], other=0.0)
+                v = tl.load(CV + slot * scv_s + h * scv_h + offs_n[:, None] * scv_c + offs_d[None, :],
+                            mask=inb[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k))
+                s = tl.where(valid[None, :], s, -1.0e30)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            for start in range(ws, n, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                valid = offs_n < n
+                blk = tl.load(BT + row * sbt_r + offs_n // BS, mask=valid, other=0).to(tl.int64)
+                off = offs_n % BS
+                k = tl.load(KC + blk[:, None] * skc_b + off[:, None] * skc_o + h * skc_h + offs_d[None, :],
+                            mask=valid[:, None], other=0.0)
+                v = tl.load(VC + blk[:, None] * svc_b + off[:, None] * svc_o + h * svc_h + offs_d[None, :],
+                            mask=valid[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k))
+                s = tl.where(valid[None, :], s, -1.0e30)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            o = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+            tl.store(Out + tok * so_t + heads[:, None] * so_h + offs_d[None, :], o.to(Out.dtype.element_ty),
+                     mask=gmask[:, None])
+
+
+def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok,
+                   row_ws, row_len, scale: float, rows: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """The Triton kernel over `rows` batch rows (default: all of row_mode). Same contract as the
+    reference. key_cache/value_cache may be strided views; the last dim must be contiguous."""
+    if not HAVE_TRITON:
+        return sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode,
+                                        row_slot, row_tok, row_ws, row_len, scale)
+    hkv, c, d = ck.shape[1], ck.shape[2], ck.shape[3]
+    g = q.shape[1] // hkv
+    gp = max(16, triton.next_power_of_2(g))
+    rows = row_mode.shape[0] if rows is None else rows
+    for t in (q, out, ck, cv, key_cache, value_cache):
+        assert t.stride(-1) == 1, "the head dim must be contiguous"
+    _sfi_fast_kernel[(rows, hkv)](
+        q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), ck.stride(0), ck.stride(1), ck.stride(2),
+        cv.stride(0), cv.stride(1), cv.stride(2), cpos.stride(0), cpos.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale),
+        C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
+    return out
