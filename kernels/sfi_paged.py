@@ -137,3 +137,65 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale),
         C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
     return out
+
+
+def paged_logits_reference(q: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor, n: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of query rows over the first n paged keys, and those keys' norms (plain torch).
+
+    q [J, H, R, D] (already scaled); key_cache [blocks, block, H, D]; block_table [J, >= n/block].
+    Returns (logits [J, H, R, n] float32, norms [J, H, n] float32)."""
+    bs = key_cache.shape[1]
+    pos = torch.arange(n, device=q.device)
+    out, norms = [], []
+    for j in range(q.shape[0]):
+        k = key_cache[block_table[j, pos // bs].long(), pos % bs].float()  # [n, H, D]
+        out.append(torch.einsum("hrd,nhd->hrn", q[j].float(), k))
+        norms.append(k.norm(dim=-1).t())
+    return torch.stack(out), torch.stack(norms)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _paged_logits_kernel(Q, KC, BT, OUT, NORM, n, sq_j, sq_h, sq_r, skc_b, skc_o, skc_h, sbt_j,
+                             so_j, so_h, so_r, sn_j, sn_h, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
+                             BS: tl.constexpr, BLOCK_N: tl.constexpr):
+        j = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        start = tl.program_id(2) * BLOCK_N
+        offs_r = tl.arange(0, RP)
+        offs_d = tl.arange(0, D)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        rmask = offs_r < R
+        valid = offs_n < n
+        q = tl.load(Q + j * sq_j + h * sq_h + offs_r[:, None] * sq_r + offs_d[None, :], mask=rmask[:, None], other=0.0)
+        blk = tl.load(BT + j * sbt_j + offs_n // BS, mask=valid, other=0).to(tl.int64)
+        k = tl.load(KC + blk[:, None] * skc_b + (offs_n % BS)[:, None] * skc_o + h * skc_h + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        s = tl.dot(q.to(k.dtype), tl.trans(k))
+        tl.store(OUT + j * so_j + h * so_h + offs_r[:, None] * so_r + offs_n[None, :], s,
+                 mask=rmask[:, None] & valid[None, :])
+        kf = k.to(tl.float32)
+        tl.store(NORM + j * sn_j + h * sn_h + offs_n, tl.sqrt(tl.sum(kf * kf, 1)), mask=valid)
+
+
+def paged_logits(q: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor, n: int,
+                 out: torch.Tensor | None = None, norms: torch.Tensor | None = None, block_n: int = 64
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of `paged_logits_reference` (one read of the keys, no gathered copy)."""
+    if not HAVE_TRITON:
+        return paged_logits_reference(q, key_cache, block_table, n)
+    j, h, r, d = q.shape
+    if out is None:
+        out = torch.empty(j, h, r, n, dtype=torch.float32, device=q.device)
+    if norms is None:
+        norms = torch.empty(j, h, n, dtype=torch.float32, device=q.device)
+    assert q.stride(-1) == 1 and key_cache.stride(-1) == 1 and out.stride(-1) == 1 and norms.stride(-1) == 1
+    rp = max(16, triton.next_power_of_2(r))
+    grid = (j, h, triton.cdiv(n, block_n))
+    _paged_logits_kernel[grid](q, key_cache, block_table, out, norms, n, q.stride(0), q.stride(1), q.stride(2),
+                               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
+                               out.stride(0), out.stride(1), out.stride(2), norms.stride(0), norms.stride(1),
+                               R=r, RP=rp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
+    return out, norms

@@ -92,3 +92,16 @@ def test_kernel_matches_reference_cuda_bf16():
                             tok.to(dev), ws.to(dev, torch.int32), lens.to(dev, torch.int32), 0.088)
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("n", [1, 37, 130])
+def test_paged_logits_matches_reference(n):
+    gen = torch.Generator().manual_seed(n)
+    j, h, r, d, bs, nb = 2, 3, 12, 32, 16, 20
+    q = torch.randn(j, h, r, d, generator=gen)
+    kv = torch.randn(nb, h, bs, 2 * d, generator=gen)
+    kc = kv.transpose(1, 2).split(d, dim=-1)[0]
+    bt = torch.stack([torch.randperm(nb, generator=gen)[:10] for _ in range(j)]).to(torch.int32)
+    want, wnorm = sp.paged_logits_reference(q, kc, bt, n)
+    got, gnorm = sp.paged_logits(q, kc, bt, n, block_n=16)
+    assert torch.allclose(got, want, atol=1e-4) and torch.allclose(gnorm, wnorm, atol=1e-4)

@@ -86,9 +86,11 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
             tele = [json.loads(x) for x in tele_path.read_text()[start:].splitlines() if x.strip()]
             row = {"policy": pol, "context": ctx, "batch": bsz, "new_tokens": new_tokens, **res,
                    "engine": "vllm" + ("" if plugin else " (stock, no plugin)")}
-            if tele:
+            tele = [t for t in tele if t.get("tag", "").startswith(f"{pol}-{ctx}-{bsz}")] or tele
+            if pol != "dense" and tele:
                 for key in ("sfi_slow_step_ratio", "sfi_retained_ratio"):
                     row[key] = round(sum(t[key] for t in tele) / len(tele), 4)
+                row["refresh_host_s"] = tele[-1].get("runtime_refresh_host_s")
             rows.append(row)
             print(json.dumps(row), flush=True)
     import vllm

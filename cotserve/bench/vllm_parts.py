@@ -77,8 +77,20 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
     return {"part": "refresh", "requests": j, "entries": n, "layers": layers, "ms": round(start.elapsed_time(end) / reps, 2)}
 
 
+def profile_refresh(j: int = 4, n: int = 32768) -> None:
+    """Where a refresh's GPU time goes: torch.profiler's table of CUDA kernels, top 25."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        time_refresh(j=j, n=n)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
-    for fn, kw in [(time_kernel, {}), (time_kernel, {"rows": 4}), (time_refresh, {"j": 1, "n": 8192}),
+    if "--profile" in sys.argv:
+        profile_refresh()
+        return
+    for fn, kw in [(time_refresh, {"j": 1, "n": 8192}),
                    (time_refresh, {"j": 16, "n": 8192}), (time_refresh, {"j": 4, "n": 32768}),
                    (time_refresh, {"j": 1, "n": 131072})]:
         try:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cotserve.kernels.sfi_paged import paged_logits
 from cotserve.policies import selector as sel
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.sfi.config import SFIConfig
@@ -244,18 +245,10 @@ class GraphSFI:
         for group in groups.values():
             self.refresh([st for st, _ in group], torch.stack([b for _, b in group]), block_size)
 
-    def _read_many(self, layer: int, blocks: torch.Tensor, n: int, block_size: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of the first n entries of J requests (block table rows `blocks` [J, ...]): [J, H, n, D]."""
+    def _keys(self, layer: int) -> torch.Tensor:
         kv = self.layers[layer].kv_cache
         kv = kv[0] if isinstance(kv, (list, tuple)) else kv
-        k, v = kv.transpose(1, 2).split(self.d, dim=-1)  # [blocks, block, H, D]
-        nb = -(-n // block_size)
-        b = blocks[:, :nb].long()
-        j = b.shape[0]
-        kk = k[b].reshape(j, nb * block_size, self.hkv, self.d)[:, :n].transpose(1, 2)
-        vv = v[b].reshape(j, nb * block_size, self.hkv, self.d)[:, :n].transpose(1, 2)
-        return kk, vv
+        return kv.transpose(1, 2).split(self.d, dim=-1)[0]  # [blocks, block, H, D]
 
     def refresh(self, states: list[SlotState], blocks: torch.Tensor, block_size: int, budget: int = 1 << 28) -> None:
         """Evidence of the ring's rows over the first `refresh_n` entries, then selector steps 2-5
@@ -275,37 +268,39 @@ class GraphSFI:
         slots = torch.tensor([st.slot for st in states], device=dev)
         pos = torch.arange(n, device=dev)
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
-        fs, norms = [], []
+        fs = []
+        norms = torch.empty(j, self.L, self.hkv, n, dtype=torch.float32, device=dev)
         for l0 in range(0, self.L, chunk):
-            ls = range(l0, min(self.L, l0 + chunk))
-            k = torch.stack([self._read_many(li, blocks, n, block_size)[0] for li in ls], 1)  # [J, l, H, n, D]
-            q = self.ring[l0 : l0 + len(ls)][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
-            q = q.permute(1, 0, 3, 2, 4).reshape(j, len(ls), self.hkv, self.g * r, self.d)
-            logits = torch.matmul(q * self.scale, k.transpose(-1, -2)).float()
-            logits = logits.view(j, len(ls), self.hkv, self.g, r, n)
+            nl = min(self.L, l0 + chunk) - l0
+            q = self.ring[l0 : l0 + nl][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
+            q = (q.permute(1, 0, 3, 2, 4).reshape(j, nl, self.hkv, self.g * r, self.d) * self.scale).contiguous()
+            logits = torch.empty(j, nl, self.hkv, self.g * r, n, dtype=torch.float32, device=dev)
+            for i in range(nl):  # one read of the layer's keys, in place in the paged cache
+                paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, l0 + i])
+            logits = logits.view(j, nl, self.hkv, self.g, r, n)
             logits[..., : cfg.sinks] = float("-inf")
             if oldest + 1 < n:  # causal: a row sees no entry newer than itself
                 tail = logits[..., oldest + 1 :]
                 tail.masked_fill_(pos[oldest + 1 :] > row_pos.view(r, 1), float("-inf"))
             f, _ = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, 0, False)
             fs.append(f)
-            norms.append(k.float().norm(dim=-1))
         f = torch.cat(fs, 1)  # [J, L, H, n]
-        keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), torch.cat(norms, 1), now)
+        keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), norms, now)
         ns = min(cfg.sinks, n)
         keys = torch.cat([pos[:ns].expand(j, self.L, self.hkv, ns), keep], dim=-1)  # [J, L, H, m]
         m = keys.shape[-1]
         self.cpos[:, slots] = -1
         self.cpos[:, slots, :, :m] = keys.transpose(0, 1).to(torch.int32)
-        gi = keys.unsqueeze(-1).expand(-1, -1, -1, -1, self.d)
-        for l0 in range(0, self.L, chunk):
-            ls = range(l0, min(self.L, l0 + chunk))
-            kv = [self._read_many(li, blocks, n, block_size) for li in ls]
-            kk = torch.stack([a for a, _ in kv], 1)
-            vv = torch.stack([b for _, b in kv], 1)
-            g = gi[:, l0 : l0 + len(ls)]
-            self.ck[l0 : l0 + len(ls), slots, :, :m] = torch.gather(kk, 3, g).transpose(0, 1)
-            self.cv[l0 : l0 + len(ls), slots, :, :m] = torch.gather(vv, 3, g).transpose(0, 1)
+        # pack: read only the kept entries, straight from the paged cache
+        blk = torch.gather(blocks.long(), 1, (keys // block_size).flatten(1)).view_as(keys)  # [J, L, H, m]
+        off = keys % block_size
+        heads = torch.arange(self.hkv, device=dev).view(1, self.hkv, 1)
+        for li in range(self.L):
+            kv = self.layers[li].kv_cache
+            kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+            kc, vc = kv.transpose(1, 2).split(self.d, dim=-1)  # [blocks, block, H, D]
+            self.ck[li, slots, :, :m] = kc[blk[:, li], off[:, li], heads]
+            self.cv[li, slots, :, :m] = vc[blk[:, li], off[:, li], heads]
         for st in states:
             st.k_eff = keep.shape[-1]
 
