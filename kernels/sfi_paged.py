@@ -116,10 +116,115 @@ if HAVE_TRITON:
                      mask=gmask[:, None])
 
 
+if HAVE_TRITON:
+
+    @triton.jit
+    def _online_block(q, k, v, valid, m_i, l_i, acc):
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _sfi_fast_split_kernel(Q, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
+                               PM, PL, PACC, sq_t, sq_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
+                               skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
+                               C: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr, G: tl.constexpr,
+                               GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Split s < NS - 1 reads compact entries [s * CHUNK, (s + 1) * CHUNK); split NS - 1 the window.
+        Partial (max, sum, acc) per split go to PM/PL [rows, H, NS, GP] and PACC [rows, H, NS, GP, D]."""
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        mode = tl.load(ROW_MODE + row)
+        if mode == 1:
+            slot = tl.load(ROW_SLOT + row).to(tl.int64)
+            tok = tl.load(ROW_TOK + row).to(tl.int64)
+            ws = tl.load(ROW_WS + row)
+            n = tl.load(ROW_LEN + row)
+            offs_g = tl.arange(0, GP)
+            offs_d = tl.arange(0, D)
+            gmask = offs_g < G
+            heads = h * G + offs_g
+            q = tl.load(Q + tok * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+            q = (q.to(tl.float32) * scale).to(KC.dtype.element_ty)
+            m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([GP], dtype=tl.float32)
+            acc = tl.zeros([GP, D], dtype=tl.float32)
+            if sp < NS - 1:
+                for start in range(sp * CHUNK, (sp + 1) * CHUNK, BLOCK_N):
+                    offs_n = start + tl.arange(0, BLOCK_N)
+                    inb = offs_n < C
+                    cp = tl.load(CPOS + slot * scp_s + h * scp_h + offs_n, mask=inb, other=-1)
+                    valid = (cp >= 0) & (cp < ws)
+                    k = tl.load(CK + slot * sck_s + h * sck_h + offs_n[:, None] * sck_c + offs_d[None, :],
+                                mask=inb[:, None], other=0.0)
+                    v = tl.load(CV + slot * scv_s + h * scv_h + offs_n[:, None] * scv_c + offs_d[None, :],
+                                mask=inb[:, None], other=0.0)
+                    m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc)
+            else:
+                for start in range(ws, n, BLOCK_N):
+                    offs_n = start + tl.arange(0, BLOCK_N)
+                    valid = offs_n < n
+                    blk = tl.load(BT + row * sbt_r + offs_n // BS, mask=valid, other=0).to(tl.int64)
+                    off = offs_n % BS
+                    k = tl.load(KC + blk[:, None] * skc_b + off[:, None] * skc_o + h * skc_h + offs_d[None, :],
+                                mask=valid[:, None], other=0.0)
+                    v = tl.load(VC + blk[:, None] * svc_b + off[:, None] * svc_o + h * svc_h + offs_d[None, :],
+                                mask=valid[:, None], other=0.0)
+                    m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc)
+            base = (row * tl.num_programs(1) + h) * NS + sp
+            tl.store(PM + base * GP + offs_g, m_i)
+            tl.store(PL + base * GP + offs_g, l_i)
+            tl.store(PACC + (base * GP + offs_g[:, None]) * D + offs_d[None, :], acc)
+
+    @triton.jit
+    def _sfi_combine_kernel(Out, ROW_MODE, ROW_TOK, PM, PL, PACC, so_t, so_h, NS: tl.constexpr, G: tl.constexpr,
+                            GP: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        mode = tl.load(ROW_MODE + row)
+        if mode == 1:
+            tok = tl.load(ROW_TOK + row).to(tl.int64)
+            offs_g = tl.arange(0, GP)
+            offs_d = tl.arange(0, D)
+            base = (row * tl.num_programs(1) + h) * NS
+            m = tl.full([GP], -1.0e30, dtype=tl.float32)
+            for sp in range(NS):
+                m = tl.maximum(m, tl.load(PM + (base + sp) * GP + offs_g))
+            l_t = tl.zeros([GP], dtype=tl.float32)
+            acc = tl.zeros([GP, D], dtype=tl.float32)
+            for sp in range(NS):
+                w = tl.exp(tl.load(PM + (base + sp) * GP + offs_g) - m)
+                l_t += tl.load(PL + (base + sp) * GP + offs_g) * w
+                acc += tl.load(PACC + ((base + sp) * GP + offs_g[:, None]) * D + offs_d[None, :]) * w[:, None]
+            o = acc / tl.maximum(l_t, 1.0e-30)[:, None]
+            gmask = offs_g < G
+            tl.store(Out + tok * so_t + (h * G + offs_g)[:, None] * so_h + offs_d[None, :],
+                     o.to(Out.dtype.element_ty), mask=gmask[:, None])
+
+
+def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per (row, KV head) so that a small batch still fills the GPU: about two programs per
+    multiprocessor, at most 16 (1 = the single-pass kernel)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    work = rows * kv_heads
+    return 1 if work >= sms else min(16, max(2, -(-2 * sms // work)))
+
+
 def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok,
-                   row_ws, row_len, scale: float, rows: int | None = None, block_n: int = 64) -> torch.Tensor:
+                   row_ws, row_len, scale: float, rows: int | None = None, block_n: int = 64,
+                   splits: int | None = None) -> torch.Tensor:
     """The Triton kernel over `rows` batch rows (default: all of row_mode). Same contract as the
-    reference. key_cache/value_cache may be strided views; the last dim must be contiguous."""
+    reference. key_cache/value_cache may be strided views; the last dim must be contiguous.
+    `splits` > 1 spreads each (row, KV head) over that many programs (split-K: compact chunks and
+    the window) and combines their partial softmaxes in a second launch; default `default_splits`."""
     if not HAVE_TRITON:
         return sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode,
                                         row_slot, row_tok, row_ws, row_len, scale)
@@ -129,13 +234,26 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     rows = row_mode.shape[0] if rows is None else rows
     for t in (q, out, ck, cv, key_cache, value_cache):
         assert t.stride(-1) == 1, "the head dim must be contiguous"
-    _sfi_fast_kernel[(rows, hkv)](
-        q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), ck.stride(0), ck.stride(1), ck.stride(2),
-        cv.stride(0), cv.stride(1), cv.stride(2), cpos.stride(0), cpos.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale),
-        C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
+    common = (ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2), cpos.stride(0),
+              cpos.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
+              value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale))
+    ns = default_splits(rows, hkv, q.device) if splits is None else splits
+    if ns <= 1:
+        _sfi_fast_kernel[(rows, hkv)](
+            q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+            C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
+        return out
+    chunk = -(-c // (ns - 1) // block_n) * block_n  # compact entries per split, whole blocks
+    pm = torch.empty(rows, hkv, ns, gp, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(rows, hkv, ns, gp, d, dtype=torch.float32, device=q.device)
+    _sfi_fast_split_kernel[(rows, hkv, ns)](
+        q, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len,
+        pm, pl, pacc, q.stride(0), q.stride(1), *common,
+        C=c, CHUNK=chunk, NS=ns, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
+    _sfi_combine_kernel[(rows, hkv)](out, row_mode, row_tok, pm, pl, pacc, out.stride(0), out.stride(1),
+                                     NS=ns, G=g, GP=gp, D=d)
     return out
 
 

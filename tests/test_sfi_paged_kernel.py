@@ -32,12 +32,14 @@ def _case(seed: int, dtype=torch.float32, hkv=2, g=3, d=32, c=40, bs=16, rows=4,
     return (q, ck, cv, cpos.to(torch.int32), kc, vc, bt, mode, slot, tok, ws.to(torch.int32), lens.to(torch.int32))
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kernel_matches_reference(seed):
+def test_kernel_matches_reference(seed, splits):
     q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = _case(seed)
     poison = torch.full_like(q, 7.0)
     ref = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3)
-    out = sp.sfi_paged_fast(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16)
+    out = sp.sfi_paged_fast(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16,
+                            splits=splits)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
     fast_toks = [int(t) for t, m in zip(tok, mode, strict=True) if int(m) == 1]
     untouched = [t for t in range(q.shape[0]) if t not in fast_toks]

@@ -59,6 +59,11 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
 
     folder, dummy = _model_folder(model)
     max_len = max(contexts) + new_tokens + 16
+    if dummy:  # random weights: let the positions reach the longest row (Qwen3 reaches 131k with YaRN)
+        cfg_path = Path(folder) / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)
+        cfg_path.write_text(json.dumps(cfg))
     kwargs: dict[str, Any] = dict(model=folder, dtype="bfloat16" if dtype == "auto" else dtype,
                                   enable_prefix_caching=False, max_model_len=max_len,
                                   max_num_seqs=max(batches), max_num_batched_tokens=65536, seed=seed,

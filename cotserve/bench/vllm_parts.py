@@ -37,12 +37,12 @@ def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int =
     ws = lens - window
     out = torch.empty_like(q)
     res = {}
-    for bn in (32, 64, 128):
-        ms = triton.testing.do_bench(lambda bn=bn: sfi_paged_fast(q, out, ck, cv, cpos, kc, vc, bt, mode, slot, slot,
-                                                                 ws, lens, 0.088, block_n=bn), quantiles=[0.5])
+    for splits in (1, None):
+        ms = triton.testing.do_bench(lambda s=splits: sfi_paged_fast(q, out, ck, cv, cpos, kc, vc, bt, mode, slot,
+                                                                    slot, ws, lens, 0.088, splits=s), quantiles=[0.5])
         ms = ms[0] if isinstance(ms, (list, tuple)) else ms
         moved = rows * hkv * (c + window) * d * 2 * 2
-        res[f"block_n={bn}"] = {"ms": round(ms, 4), "GB/s": round(moved / ms / 1e6, 1)}
+        res["single" if splits == 1 else "split"] = {"ms": round(ms, 4), "GB/s": round(moved / ms / 1e6, 1)}
     return {"part": "fast_kernel", "rows": rows, "entries": c + window, **res}
 
 
@@ -90,7 +90,8 @@ def main() -> None:
     if "--profile" in sys.argv:
         profile_refresh()
         return
-    for fn, kw in [(time_refresh, {"j": 1, "n": 8192}),
+    for fn, kw in [(time_kernel, {}), (time_kernel, {"rows": 8}), (time_kernel, {"rows": 4}),
+                   (time_refresh, {"j": 1, "n": 8192}),
                    (time_refresh, {"j": 16, "n": 8192}), (time_refresh, {"j": 4, "n": 32768}),
                    (time_refresh, {"j": 1, "n": 131072})]:
         try:
