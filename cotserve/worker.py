@@ -178,6 +178,9 @@ class Worker:
         job0 = live[first.request_id]
         try:
             stack = build_policy(job0.policy, job0.options)
+            check = getattr(self.engine, "check_policy", None)  # an engine that runs only some policies
+            if check is not None:
+                check(stack)
         except CotserveError as exc:
             for j in live.values():
                 self._error(j, 400, "invalid_policy", str(exc))

@@ -18,6 +18,8 @@ tested against it on random inputs (on the CPU through TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -209,9 +211,10 @@ if HAVE_TRITON:
 
 
 def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per (row, KV head) so that a small batch still fills the GPU: about two programs per
-    multiprocessor, at most 16 (1 = the single-pass kernel)."""
-    if device.type != "cuda":
+    """Splits per (row, KV head): 1 (the single-pass kernel) unless $COTSERVE_SFI_SPLITS=auto, which
+    asks for about two programs per multiprocessor, at most 16. On the H200 the split form decoded no
+    faster end to end (docs/vllm.md), so it is not the default."""
+    if device.type != "cuda" or os.environ.get("COTSERVE_SFI_SPLITS", "1") != "auto":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     work = rows * kv_heads

@@ -27,6 +27,24 @@ class EngineArgs:
     max_batch: int = 8
     max_wait: float = 0.02
     threads: int | None = None
+    engine: str = "native"  # native | vllm
+    vllm_options: dict[str, Any] = field(default_factory=dict)  # VLLMOptions fields (--engine vllm)
+
+
+def make_engine(engine_args: EngineArgs):
+    """The worker's engine: cotserve's native engine, or vLLM with the cotserve plugin."""
+    if engine_args.engine == "vllm":
+        from cotserve.vllm.engine import VLLMEngine, VLLMOptions
+
+        return VLLMEngine(engine_args.model, device=engine_args.device, dtype=engine_args.dtype,
+                          max_batch=engine_args.max_batch, options=VLLMOptions(**engine_args.vllm_options))
+    if engine_args.engine != "native":
+        raise CotserveError(f"unknown engine {engine_args.engine!r} (native or vllm)")
+    from cotserve.engine.native import NativeEngine
+    from cotserve.models import load_model
+
+    return NativeEngine(load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype),
+                        max_batch=engine_args.max_batch)
 
 
 @dataclass
@@ -51,13 +69,10 @@ def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedd
     """Load the model and serve `queue` from a daemon thread (the embedded default)."""
 
     def run() -> None:
-        from cotserve.engine.native import NativeEngine
-        from cotserve.models import load_model
         from cotserve.worker import Worker
 
         try:
-            engine = NativeEngine(load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype),
-                                  max_batch=engine_args.max_batch)
+            engine = make_engine(engine_args)
         except CotserveError as exc:
             log.error("the worker cannot load its model: %s", exc)
             return
@@ -103,16 +118,13 @@ def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_
                heartbeat_s: float = 1.0) -> None:
     import signal
 
-    from cotserve.engine.native import NativeEngine
-    from cotserve.models import load_model
     from cotserve.queue import make_queue
     from cotserve.worker import Worker
 
     _set_threads(engine_args.threads)
     queue = make_queue(redis_url, prefix=key_prefix)
     _check_redis(queue, redis_url)
-    engine = NativeEngine(load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype),
-                          max_batch=engine_args.max_batch)
+    engine = make_engine(engine_args)
     worker = Worker(engine, queue, worker_id=worker_id, max_batch=engine_args.max_batch,
                     max_wait=engine_args.max_wait, heartbeat_s=heartbeat_s)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,6 +34,7 @@ from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_from_evidence
 from cotserve.policies.sfi.trigger import RefreshTrigger
+from cotserve.vllm.graph_sfi import write_telemetry
 from cotserve.vllm.requests import BatchRows, RowRequest
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class SFIRuntime:
         for gone in rows.take_released():
             if gone.state is not None:
                 self.finished.append(gone.state)
+                write_telemetry(self.telemetry(gone.state))
                 gone.state = None
         out = []
         for i in range(num_reqs):
