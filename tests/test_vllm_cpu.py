@@ -27,7 +27,6 @@ from cotserve.engine.sampling import SamplingParams  # noqa: E402
 CTX, NEW = 4096, 256
 SFI = {"dense_heads": 0}  # the paper's SFI (the unstable-head fallback does not run on vLLM)
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def vllm_tokens(loaded, prompt):
     from vllm import SamplingParams as VSP
 
     llm = LLM(model=str(loaded.path), dtype="float32", max_model_len=CTX + NEW + 16, enable_prefix_caching=False,
-              max_num_seqs=4, seed=0, enforce_eager=True)
+              max_num_seqs=4, seed=0, enforce_eager=True, kv_cache_memory_bytes=512 << 20)
     try:
         dense = VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True)
         sfi = VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True,
@@ -94,7 +93,8 @@ def test_serve_engine_vllm_with_openai_sdk(tmp_path):
     from cotserve.gateway.server import free_port
 
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for 2,048-token requests
     proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "serve", "--engine", "vllm", "--port", str(port),
                              "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--log-level",
                              "warning"], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
