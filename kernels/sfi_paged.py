@@ -57,71 +57,8 @@ def sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block
 if HAVE_TRITON:
 
     @triton.jit
-    def _sfi_fast_kernel(Q, Out, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
-                         sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
-                         skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
-                         C: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                         BS: tl.constexpr, BLOCK_N: tl.constexpr):
-        row = tl.program_id(0)
-        h = tl.program_id(1)
-        mode = tl.load(ROW_MODE + row)
-        if mode == 1:
-            slot = tl.load(ROW_SLOT + row).to(tl.int64)
-            tok = tl.load(ROW_TOK + row).to(tl.int64)
-            ws = tl.load(ROW_WS + row)
-            n = tl.load(ROW_LEN + row)
-            offs_g = tl.arange(0, GP)
-            offs_d = tl.arange(0, D)
-            gmask = offs_g < G
-            heads = h * G + offs_g
-            q = tl.load(Q + tok * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
-            q = (q.to(tl.float32) * scale).to(KC.dtype.element_ty)
-            m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
-            l_i = tl.zeros([GP], dtype=tl.float32)
-            acc = tl.zeros([GP, D], dtype=tl.float32)
-            for start in range(0, C, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                inb = offs_n < C
-                cp = tl.load(CPOS + slot * scp_s + h * scp_h + offs_n, mask=inb, other=-1)
-                valid = (cp >= 0) & (cp < ws)
-                k = tl.load(CK + slot * sck_s + h * sck_h + offs_n[:, None] * sck_c + offs_d[None, :],
-                            mask=inb[:, None], other=0.0)
-                v = tl.load(CV + slot * scv_s + h * scv_h + offs_n[:, None] * scv_c + offs_d[None, :],
-                            mask=inb[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k))
-                s = tl.where(valid[None, :], s, -1.0e30)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
-            for start in range(ws, n, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                valid = offs_n < n
-                blk = tl.load(BT + row * sbt_r + offs_n // BS, mask=valid, other=0).to(tl.int64)
-                off = offs_n % BS
-                k = tl.load(KC + blk[:, None] * skc_b + off[:, None] * skc_o + h * skc_h + offs_d[None, :],
-                            mask=valid[:, None], other=0.0)
-                v = tl.load(VC + blk[:, None] * svc_b + off[:, None] * svc_o + h * svc_h + offs_d[None, :],
-                            mask=valid[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k))
-                s = tl.where(valid[None, :], s, -1.0e30)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
-            o = acc / tl.maximum(l_i, 1.0e-30)[:, None]
-            tl.store(Out + tok * so_t + heads[:, None] * so_h + offs_d[None, :], o.to(Out.dtype.element_ty),
-                     mask=gmask[:, None])
-
-
-if HAVE_TRITON:
-
-    @triton.jit
     def _online_block(q, k, v, valid, m_i, l_i, acc):
+        """One block of the online softmax: scores of q [GP, D] against k [N, D], masked by `valid`."""
         s = tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -130,6 +67,77 @@ if HAVE_TRITON:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _compact_range(q, CK, CV, CPOS, slot, h, ws, lo, hi, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s,
+                       scp_h, m_i, l_i, acc, C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Compact entries [lo, hi) of (slot, KV head h), read where 0 <= position < ws."""
+        offs_d = tl.arange(0, D)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            inb = offs_n < C
+            cp = tl.load(CPOS + slot * scp_s + h * scp_h + offs_n, mask=inb, other=-1)
+            valid = (cp >= 0) & (cp < ws)
+            k = tl.load(CK + slot * sck_s + h * sck_h + offs_n[:, None] * sck_c + offs_d[None, :],
+                        mask=inb[:, None], other=0.0)
+            v = tl.load(CV + slot * scv_s + h * scv_h + offs_n[:, None] * scv_c + offs_d[None, :],
+                        mask=inb[:, None], other=0.0)
+            m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _window_range(q, KC, VC, BT, row, h, ws, n, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, m_i, l_i, acc,
+                      D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The recent window, positions [ws, n), read in place through the row's block table."""
+        offs_d = tl.arange(0, D)
+        for start in range(ws, n, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            valid = offs_n < n
+            blk = tl.load(BT + row * sbt_r + offs_n // BS, mask=valid, other=0).to(tl.int64)
+            off = offs_n % BS
+            k = tl.load(KC + blk[:, None] * skc_b + off[:, None] * skc_o + h * skc_h + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            v = tl.load(VC + blk[:, None] * svc_b + off[:, None] * svc_o + h * svc_h + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _load_q(Q, ROW_TOK, row, h, sq_t, sq_h, scale, dtype: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                D: tl.constexpr):
+        tok = tl.load(ROW_TOK + row).to(tl.int64)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + tok * sq_t + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=(offs_g < G)[:, None],
+                    other=0.0)
+        return (q.to(tl.float32) * scale).to(dtype)
+
+    @triton.jit
+    def _sfi_fast_kernel(Q, Out, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
+                         sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
+                         skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
+                         C: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        if tl.load(ROW_MODE + row) == 1:
+            slot = tl.load(ROW_SLOT + row).to(tl.int64)
+            ws = tl.load(ROW_WS + row)
+            n = tl.load(ROW_LEN + row)
+            q = _load_q(Q, ROW_TOK, row, h, sq_t, sq_h, scale, KC.dtype.element_ty, G, GP, D)
+            m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([GP], dtype=tl.float32)
+            acc = tl.zeros([GP, D], dtype=tl.float32)
+            m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, ws, 0, C, sck_s, sck_h, sck_c, scv_s, scv_h,
+                                           scv_c, scp_s, scp_h, m_i, l_i, acc, C, D, BLOCK_N)
+            m_i, l_i, acc = _window_range(q, KC, VC, BT, row, h, ws, n, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
+                                          sbt_r, m_i, l_i, acc, D, BS, BLOCK_N)
+            o = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+            tok = tl.load(ROW_TOK + row).to(tl.int64)
+            offs_g = tl.arange(0, GP)
+            offs_d = tl.arange(0, D)
+            tl.store(Out + tok * so_t + (h * G + offs_g)[:, None] * so_h + offs_d[None, :], o.to(Out.dtype.element_ty),
+                     mask=(offs_g < G)[:, None])
 
     @triton.jit
     def _sfi_fast_split_kernel(Q, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
@@ -142,43 +150,23 @@ if HAVE_TRITON:
         row = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
-        mode = tl.load(ROW_MODE + row)
-        if mode == 1:
+        if tl.load(ROW_MODE + row) == 1:
             slot = tl.load(ROW_SLOT + row).to(tl.int64)
-            tok = tl.load(ROW_TOK + row).to(tl.int64)
             ws = tl.load(ROW_WS + row)
             n = tl.load(ROW_LEN + row)
-            offs_g = tl.arange(0, GP)
-            offs_d = tl.arange(0, D)
-            gmask = offs_g < G
-            heads = h * G + offs_g
-            q = tl.load(Q + tok * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
-            q = (q.to(tl.float32) * scale).to(KC.dtype.element_ty)
+            q = _load_q(Q, ROW_TOK, row, h, sq_t, sq_h, scale, KC.dtype.element_ty, G, GP, D)
             m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
             l_i = tl.zeros([GP], dtype=tl.float32)
             acc = tl.zeros([GP, D], dtype=tl.float32)
             if sp < NS - 1:
-                for start in range(sp * CHUNK, (sp + 1) * CHUNK, BLOCK_N):
-                    offs_n = start + tl.arange(0, BLOCK_N)
-                    inb = offs_n < C
-                    cp = tl.load(CPOS + slot * scp_s + h * scp_h + offs_n, mask=inb, other=-1)
-                    valid = (cp >= 0) & (cp < ws)
-                    k = tl.load(CK + slot * sck_s + h * sck_h + offs_n[:, None] * sck_c + offs_d[None, :],
-                                mask=inb[:, None], other=0.0)
-                    v = tl.load(CV + slot * scv_s + h * scv_h + offs_n[:, None] * scv_c + offs_d[None, :],
-                                mask=inb[:, None], other=0.0)
-                    m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc)
+                m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, ws, sp * CHUNK, (sp + 1) * CHUNK, sck_s,
+                                               sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h, m_i, l_i, acc, C, D,
+                                               BLOCK_N)
             else:
-                for start in range(ws, n, BLOCK_N):
-                    offs_n = start + tl.arange(0, BLOCK_N)
-                    valid = offs_n < n
-                    blk = tl.load(BT + row * sbt_r + offs_n // BS, mask=valid, other=0).to(tl.int64)
-                    off = offs_n % BS
-                    k = tl.load(KC + blk[:, None] * skc_b + off[:, None] * skc_o + h * skc_h + offs_d[None, :],
-                                mask=valid[:, None], other=0.0)
-                    v = tl.load(VC + blk[:, None] * svc_b + off[:, None] * svc_o + h * svc_h + offs_d[None, :],
-                                mask=valid[:, None], other=0.0)
-                    m_i, l_i, acc = _online_block(q, k, v, valid, m_i, l_i, acc)
+                m_i, l_i, acc = _window_range(q, KC, VC, BT, row, h, ws, n, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
+                                              sbt_r, m_i, l_i, acc, D, BS, BLOCK_N)
+            offs_g = tl.arange(0, GP)
+            offs_d = tl.arange(0, D)
             base = (row * tl.num_programs(1) + h) * NS + sp
             tl.store(PM + base * GP + offs_g, m_i)
             tl.store(PL + base * GP + offs_g, l_i)

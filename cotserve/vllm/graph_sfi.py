@@ -37,6 +37,15 @@ from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
 log = logging.getLogger(__name__)
 
 
+def sfi_telemetry(st) -> dict[str, float | int]:
+    """A request's SFI telemetry (the native policy's keys) from its counters."""
+    n = st.steps
+    return {"sfi_steps": n, "sfi_slow_steps": st.slow_steps,
+            "sfi_slow_step_ratio": round(st.slow_steps / n, 4) if n else 0.0,
+            "sfi_retained_ratio": round(st.retained_sum / n, 4) if n else 1.0,
+            "sfi_selected_per_head": st.k_eff}
+
+
 def write_telemetry(tele: dict) -> None:
     """Append a finished request's SFI telemetry to $COTSERVE_VLLM_TELEMETRY (a JSON line), the
     benchmarks' way out of vLLM's engine process."""
@@ -305,10 +314,4 @@ class GraphSFI:
             st.k_eff = keep.shape[-1]
 
     # -- telemetry -----------------------------------------------------------------------------
-    @staticmethod
-    def telemetry(st: SlotState) -> dict[str, float | int]:
-        n = st.steps
-        return {"sfi_steps": n, "sfi_slow_steps": st.slow_steps,
-                "sfi_slow_step_ratio": round(st.slow_steps / n, 4) if n else 0.0,
-                "sfi_retained_ratio": round(st.retained_sum / n, 4) if n else 1.0,
-                "sfi_selected_per_head": st.k_eff}
+    telemetry = staticmethod(sfi_telemetry)

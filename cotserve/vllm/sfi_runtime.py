@@ -34,7 +34,7 @@ from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_from_evidence
 from cotserve.policies.sfi.trigger import RefreshTrigger
-from cotserve.vllm.graph_sfi import write_telemetry
+from cotserve.vllm.graph_sfi import sfi_telemetry, write_telemetry
 from cotserve.vllm.requests import BatchRows, RowRequest
 
 log = logging.getLogger(__name__)
@@ -269,10 +269,4 @@ class SFIRuntime:
                 st.retained_sum += min(1.0, read / max(r.new_len, 1))
 
     # -- telemetry ---------------------------------------------------------------------------
-    @staticmethod
-    def telemetry(st: SeqState) -> dict[str, float | int]:
-        n = st.steps
-        return {"sfi_steps": n, "sfi_slow_steps": st.slow_steps,
-                "sfi_slow_step_ratio": round(st.slow_steps / n, 4) if n else 0.0,
-                "sfi_retained_ratio": round(st.retained_sum / n, 4) if n else 1.0,
-                "sfi_selected_per_head": st.k_eff}
+    telemetry = staticmethod(sfi_telemetry)
