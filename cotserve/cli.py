@@ -291,6 +291,8 @@ def eval_cmd(
                                                  "without it the native engine runs locally.")] = None,
     api_key: Annotated[str | None, typer.Option(help="API key for --endpoint ($COTSERVE_API_KEY, "
                                                 "$OPENAI_API_KEY).")] = None,
+    api: Annotated[str, typer.Option(help="Endpoint API: chat (/v1/chat/completions, the prompt as a user "
+                                     "message) or completions (/v1/completions, the prompt as raw text).")] = "chat",
     model: Annotated[str | None, typer.Option("--model", "-m", help="Local: bundled name, folder or .gguf "
                                               "(default smollm2-135m-instruct). Endpoint: model name sent "
                                               "(default: the first of /v1/models).")] = None,
@@ -318,7 +320,7 @@ def eval_cmd(
             policy=policy, policy_opt=policy_opt, policy_file=policy_file, limit=limit, concurrency=concurrency,
             max_tokens=max_tokens, samples=samples, temperature=temperature, top_p=top_p, seed=seed, out=out,
             fresh=fresh, max_batch=max_batch, device=device, dtype=dtype, code_timeout=code_timeout,
-            code_memory_mb=code_memory_mb, progress=progress,
+            code_memory_mb=code_memory_mb, progress=progress, api=api,
         )
     except CotserveError as exc:
         fail(str(exc))

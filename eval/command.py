@@ -17,7 +17,7 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
                  model: str | None, policy: str, policy_opt: list[str] | None, policy_file: str | None,
                  limit: int | None, concurrency: int, max_tokens: int, samples: int, temperature: float,
                  top_p: float, seed: int, out: str, fresh: bool, max_batch: int, device: str, dtype: str,
-                 code_timeout: float, code_memory_mb: int, progress: bool) -> dict[str, Any]:
+                 code_timeout: float, code_memory_mb: int, progress: bool, api: str = "chat") -> dict[str, Any]:
     from cotserve.data import data_dir as find_data_dir
     from cotserve.policies.registry import parse_options
 
@@ -45,7 +45,7 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
         from cotserve.eval.backends import EndpointBackend
 
         key = api_key or os.environ.get("COTSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        backend = EndpointBackend(endpoint, key, model, concurrency=concurrency)
+        backend = EndpointBackend(endpoint, key, model, concurrency=concurrency, api=api)
     else:
         from cotserve.engine.native import NativeEngine
         from cotserve.eval.backends import LocalBackend
