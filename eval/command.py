@@ -33,6 +33,10 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
         raise CotserveError("--temperature must be >= 0")
     if concurrency < 1:
         raise CotserveError("--concurrency must be at least 1")
+    if api not in ("chat", "completions"):
+        raise CotserveError(f"--api must be chat or completions, not {api!r}")
+    if api != "chat" and not endpoint:
+        raise CotserveError("--api completions needs --endpoint (the local engine runs the prompt as chat)")
     cfg = EvalConfig(
         suites=refs, variants=variants, out=Path(out), data_dir=ddir, data_source=data_source, limit=limit,
         samples=samples, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,

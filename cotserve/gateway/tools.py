@@ -126,6 +126,9 @@ class HermesParser(ToolParser):
     def call_prefix(self, function: str | None) -> str:
         return OPEN + "\n" + super().call_prefix(function)
 
+    def stream(self, names: set[str] | None) -> ToolStream:
+        return ToolStream(self, names, tags=True)
+
     def parse(self, text: str, names: set[str] | None) -> tuple[str | None, list[ToolCall]]:
         if OPEN not in text:
             return super().parse(text, names)
