@@ -21,6 +21,10 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
     from cotserve.data import data_dir as find_data_dir
     from cotserve.policies.registry import parse_options
 
+    if api not in ("chat", "completions"):
+        raise CotserveError(f"--api must be chat or completions, not {api!r}")
+    if api != "chat" and not endpoint:
+        raise CotserveError("--api completions needs --endpoint (the local engine runs the prompt as chat)")
     refs = parse_suites(suite)
     needs_dir = data_source != "hf" and any(r.spec is not None for r in refs)
     ddir = find_data_dir(data_dir, required=needs_dir)
@@ -33,10 +37,6 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
         raise CotserveError("--temperature must be >= 0")
     if concurrency < 1:
         raise CotserveError("--concurrency must be at least 1")
-    if api not in ("chat", "completions"):
-        raise CotserveError(f"--api must be chat or completions, not {api!r}")
-    if api != "chat" and not endpoint:
-        raise CotserveError("--api completions needs --endpoint (the local engine runs the prompt as chat)")
     cfg = EvalConfig(
         suites=refs, variants=variants, out=Path(out), data_dir=ddir, data_source=data_source, limit=limit,
         samples=samples, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
