@@ -132,15 +132,20 @@ class HermesParser(ToolParser):
     def parse(self, text: str, names: set[str] | None) -> tuple[str | None, list[ToolCall]]:
         if OPEN not in text:
             return super().parse(text, names)
-        before, _, rest = text.partition(OPEN)
+        parts = text.split(OPEN)
+        outside = [parts[0]]
         calls: list[ToolCall] = []
-        for block in (OPEN + rest).split(OPEN)[1:]:
+        for block in parts[1:]:
             body, closed, after = block.partition(CLOSE)
             found = parse_json_calls(body, names)
-            if not found or len(found) != 1 or (after.strip() and not closed):
-                return text, []  # not a valid call: the whole reply is content
-            calls.extend(found)
-        return (before.strip() or None), calls
+            if found and len(found) == 1:
+                calls.extend(found)
+            else:  # not a valid call: the block stays content, as written
+                outside.append(OPEN + body + closed)
+            if not calls or after.strip():  # whitespace between or after calls is not content
+                outside.append(after)
+        content = "".join(outside)
+        return (content.strip() or None) if calls else content, calls
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "json": ToolParser}
@@ -211,6 +216,11 @@ class ToolStream:
             if found:
                 self.calls += len(found)
                 return "", found
+            if self.tags and OPEN in rest:  # not one JSON call: read it as text with tagged calls
+                self.state = "content"
+                content, calls = self.feed(rest)
+                more, more_calls = self.finish()
+                return content + more, calls + more_calls
             return rest, []
         if self.state == "call":  # the reply ended inside a block (e.g. at end-of-sequence)
             found = parse_json_calls(rest, self.names)
