@@ -66,6 +66,7 @@ SCRIPTS = [
     ("[named]", '{"city": "Lyon"}}\n</tool_call>'),  # continues the forced call prefix
     ("[required]", 'get_weather", "arguments": {"city": "Nice"}}\n</tool_call>'),
     ("[malformed]", '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'),
+    ("[two]", CALL_TEXT + "\n" + CALL_TEXT.replace("Paris", "Rome")),
     ("[think]", "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello there!"),
     ("weather", "Let me check. " + CALL_TEXT),
 ]
@@ -300,6 +301,19 @@ def test_tool_choice_named_required_and_none(stack):
         "model": MODEL, "messages": user("x"), "tools": [WEATHER],
         "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+
+
+def test_parallel_tool_calls(stack):
+    c = client(stack.urls["plain"])
+    for parallel, cities in ((True, ["Paris", "Rome"]), (False, ["Paris"])):
+        r = c.chat.completions.create(model=MODEL, messages=user("Two cities [two]"), tools=[WEATHER],
+                                      temperature=0, parallel_tool_calls=parallel)
+        assert [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls] == cities
+        chunks = list(c.chat.completions.create(model=MODEL, messages=user("Two cities [two]"), tools=[WEATHER],
+                                                temperature=0, parallel_tool_calls=parallel, stream=True))
+        frags = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert [(f.index, json.loads(f.function.arguments)["city"]) for f in frags] == list(enumerate(cities))
+        assert len({f.id for f in frags}) == len(cities)
 
 
 # -- reasoning ------------------------------------------------------------------------------------

@@ -100,9 +100,11 @@ class Completion:
 class NativeEngine:
     """Batched generation with cotserve's cache and policies on a transformers model."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 8, cuda_graphs: bool = True, lean: bool = True):
+    def __init__(self, loaded: LoadedModel, max_batch: int = 8, cuda_graphs: bool = True, lean: bool = True,
+                 share_prefill: bool = True):
         _register_attention()
         self.cuda_graphs = cuda_graphs
+        self.share_prefill = share_prefill  # slots with the same prompt prefill once (prefill-shareable stacks)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -250,7 +252,7 @@ class NativeEngine:
             ids[i, : prompt_lens[i]] = torch.tensor(r.prompt_ids, device=self.device)
         pos = torch.arange(tmax, device=self.device).unsqueeze(0).expand(bsz, -1)
         batch.mode = "prefill"
-        rows = shared_prefill_rows(requests) if stack.prefill_shareable() else None
+        rows = shared_prefill_rows(requests) if self.share_prefill and stack.prefill_shareable() else None
         if rows is None:
             hidden = self.forward(ids, pos, batch)
             stack.after_forward(batch)

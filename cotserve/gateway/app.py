@@ -142,6 +142,7 @@ def _tool_plan(req: ChatCompletionRequest, parser_name: str) -> tuple[list[dict[
         return None, plan
     parser = get_tool_parser(parser_name)
     plan.tools, plan.tool_names = parser, set(names)
+    plan.parallel_tool_calls = req.parallel_tool_calls
     if choice == "required":
         plan.call_prefix = parser.call_prefix(None)
     elif choice not in (None, "auto"):

@@ -24,6 +24,7 @@ class ChatPlan:
     tools: ToolParser | None = None  # None: no tool parsing (no tools, or tool_choice none)
     tool_names: set[str] | None = None
     call_prefix: str = ""  # forced start of the reply (tool_choice required / named), already in the prompt
+    parallel_tool_calls: bool = True  # False: only the first call is returned
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -93,6 +94,7 @@ class ChatChoice:
         out_content: str | None = content
         if p.tools is not None:
             out_content, calls = p.tools.parse(p.call_prefix + content, p.tool_names)
+            calls = calls if p.parallel_tool_calls else calls[:1]
         msg: dict[str, Any] = {"role": "assistant", "content": out_content}
         if reasoning is not None:
             msg["reasoning_content"] = msg["reasoning"] = reasoning
@@ -127,6 +129,8 @@ class ChatChoice:
             delta["reasoning_content"] = delta["reasoning"] = reasoning
         if content:
             delta["content"] = content
+        if not self.plan.parallel_tool_calls:
+            calls = calls[: max(0, 1 - self.calls_sent)]
         if calls:
             delta["tool_calls"] = []
             for c in calls:
