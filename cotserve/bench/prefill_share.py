@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ def run(model: str, context: int, n: int, new_tokens: int, rounds: int, device: 
             out = eng.generate(reqs)
             if r:
                 rows[mode].append(out[0].telemetry["prefill_s"])
+            print(f"round {r} {mode}: prefill {out[0].telemetry['prefill_s']} s", file=sys.stderr, flush=True)
             tokens[mode] = [o.token_ids for o in out]
     return {
         "bench": "prefill_share", "model": model, "device": str(eng.device), "dtype": str(eng.dtype),
