@@ -220,10 +220,21 @@ def serve(
     max_batch: MaxBatchOpt = 8,
     batch_wait: BatchWaitOpt = 0.02,
     max_queue: Annotated[int, typer.Option(help="Pending jobs accepted before requests get 429.")] = 256,
-    default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none (capped by "
-                                                    "the context).")] = 1024,
-    default_temperature: Annotated[float, typer.Option(help="temperature when a request gives none "
-                                                       "(OpenAI's default is 1).")] = 1.0,
+    default_max_tokens: Annotated[int | None, typer.Option(help="max_tokens when a request gives none (capped by "
+                                                           "the context; default: the model's max_new_tokens, "
+                                                           "else all the context left).")] = None,
+    default_temperature: Annotated[float, typer.Option(help="temperature when neither the request nor the "
+                                                       "generation config gives one (OpenAI's default is 1).")] = 1.0,
+    generation_config: Annotated[str, typer.Option(help="Sampling defaults: auto (the model's "
+                                                   "generation_config.json), vllm (the server's own), or a "
+                                                   "folder/file path.")] = "auto",
+    max_model_len: Annotated[int | None, typer.Option(help="Context length served (prompt + completion); "
+                                                      "default and cap: the model's.")] = None,
+    tool_call_parser: Annotated[str, typer.Option(help="How tool calls are read from replies: hermes "
+                                                  "(<tool_call> tags, JSON fallback) or json.")] = "hermes",
+    reasoning_parser: Annotated[str, typer.Option(help="Reasoning split into reasoning_content: deepseek_r1 or "
+                                                  "qwen3 (<think> tags), none, or auto (qwen3 when the chat "
+                                                  "template uses <think>).")] = "auto",
     served_model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: the model's "
                                                           "short name).")] = None,
     queue_timeout: Annotated[float | None, typer.Option(help="Seconds a request may wait for a worker before "
@@ -250,7 +261,9 @@ def serve(
                          redis_url=redis_url, key_prefix=key_prefix, api_key_file=api_key_file, insecure=insecure,
                          max_pending=max_queue, default_max_tokens=default_max_tokens,
                          default_temperature=default_temperature, served_model_name=served_model_name,
-                         queue_timeout=queue_timeout, log_level=log_level)
+                         queue_timeout=queue_timeout, log_level=log_level, generation_config=generation_config,
+                         max_model_len=max_model_len, tool_call_parser=tool_call_parser,
+                         reasoning_parser=reasoning_parser)
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                    max_wait=batch_wait, threads=threads, engine=engine,
                                    vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
@@ -336,6 +349,8 @@ def eval_cmd(
                                                  "without it the native engine runs locally.")] = None,
     api_key: Annotated[str | None, typer.Option(help="API key for --endpoint ($COTSERVE_API_KEY, "
                                                 "$OPENAI_API_KEY).")] = None,
+    api: Annotated[str, typer.Option(help="Endpoint API: chat (/v1/chat/completions, the prompt as a user "
+                                     "message) or completions (/v1/completions, the prompt as raw text).")] = "chat",
     model: Annotated[str | None, typer.Option("--model", "-m", help="Local: bundled name, folder or .gguf "
                                               "(default smollm2-135m-instruct). Endpoint: model name sent "
                                               "(default: the first of /v1/models).")] = None,
@@ -363,7 +378,7 @@ def eval_cmd(
             policy=policy, policy_opt=policy_opt, policy_file=policy_file, limit=limit, concurrency=concurrency,
             max_tokens=max_tokens, samples=samples, temperature=temperature, top_p=top_p, seed=seed, out=out,
             fresh=fresh, max_batch=max_batch, device=device, dtype=dtype, code_timeout=code_timeout,
-            code_memory_mb=code_memory_mb, progress=progress,
+            code_memory_mb=code_memory_mb, progress=progress, api=api,
         )
     except CotserveError as exc:
         fail(str(exc))

@@ -49,16 +49,25 @@ class _Resume:
     failed: bool = False
 
 
-def _published_state(events: list[dict[str, Any]]) -> tuple[_Resume, bool]:
+def _published_state(events: list[dict[str, Any]], n: int = 1) -> tuple[_Resume, bool]:
+    """What was published for a job of `n` sequences; ended once all n are done (or on an error)."""
     st = _Resume()
+    done = 0
     ended = False
     for e in events:
         if e.get("t") == "delta":
             st.ids.extend(e.get("ids", []))
             st.text_len += len(e.get("text", ""))
-        elif e.get("t") in ("done", "error"):
+        elif e.get("t") == "done":
+            done += 1
+        elif e.get("t") == "error":
             ended = True
-    return st, ended
+    return st, ended or done >= n
+
+
+def _lp_event(lps: list[tuple[float, list[tuple[int, float]]]]) -> list[list[Any]]:
+    """Logprobs as JSON: [[logprob, [[id, logprob], ...]], ...] per token."""
+    return [[round(lp, 6), [[i, round(v, 6)] for i, v in top]] for lp, top in lps]
 
 
 class Worker:
@@ -145,33 +154,45 @@ class Worker:
         reqs: list[GenRequest] = []
         resume: dict[str, _Resume] = {}
         live: dict[str, Job] = {}
+        seq: dict[str, tuple[str, int, int]] = {}  # request id -> (job id, sequence index, n)
+        left: dict[str, int] = {}  # job id -> sequences still running
         for job in jobs:
+            sampling = dict(job.sampling)
+            n = int(sampling.pop("n", 1) or 1)
             if job.deadline is not None and job.attempts == 1 and time.time() > job.deadline:
                 self._error(job, 503, "queue_timeout",
                             f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
                             "server's --queue-timeout; retry later")
                 continue
             if job.attempts > 1:
-                st, ended = _published_state(self.queue.published(job.id))
+                st, ended = _published_state(self.queue.published(job.id), n)
                 if ended:  # the earlier worker finished it but died before acknowledging
                     self.queue.finish(self.worker_id, job.id)
                     continue
-                if st.ids and not job.reproducible:
+                if st.ids and (not job.reproducible or n > 1):
                     self._error(job, 500, "worker_lost",
                                 "the worker running this request stopped after streaming part of it, and its "
                                 "unseeded sampling cannot be reproduced; retry the request")
                     continue
                 resume[job.id] = st
             try:
-                params = SamplingParams(**job.sampling)
-                req = GenRequest(list(job.prompt_ids), params, request_id=job.id)
-                self.engine.check_request(req)
+                copies = []
+                for i in range(n):  # n sequences of one prompt: seeds seed, seed+1, ... (distinct samples)
+                    params = SamplingParams(**sampling)
+                    if i and params.seed is not None:
+                        params.seed = params.seed + i
+                    rid = job.id if n == 1 else f"{job.id}/{i}"
+                    copies.append(GenRequest(list(job.prompt_ids), params, request_id=rid))
+                    seq[rid] = (job.id, i, n)
+                self.engine.check_request(copies[0])
             except RequestError as exc:
                 code = exc.code or "invalid_request_error"
                 self._error(job, 400, code, str(exc))
                 continue
-            reqs.append(req)
-            live[job.id] = job
+            reqs.extend(copies)
+            left[job.id] = n
+            for r in copies:
+                live[r.request_id] = job
         if not reqs:
             return
         first = reqs[0]
@@ -182,7 +203,7 @@ class Worker:
             if check is not None:
                 check(stack)
         except CotserveError as exc:
-            for j in live.values():
+            for j in {j.id: j for j in live.values()}.values():
                 self._error(j, 400, "invalid_policy", str(exc))
             return
 
@@ -191,16 +212,18 @@ class Worker:
         last_poll = [0.0]
 
         def is_cancelled(rid: str) -> bool:
+            jid = seq[rid][0]
             now = time.monotonic()
             if now - last_poll[0] >= self.cancel_poll_s:
                 last_poll[0] = now
-                cancel_cache.update(self.queue.cancelled([r for r in live if r not in cancel_cache]))
-            return rid in cancel_cache or rid in lost
+                cancel_cache.update(self.queue.cancelled([j for j in left if j not in cancel_cache]))
+            return jid in cancel_cache or jid in lost
 
         for deltas in self.engine.stream(reqs, stack, None, cancelled=is_cancelled):
             for d in deltas:
                 job = live[d.request_id]
-                if d.request_id in lost:
+                jid, index, n = seq[d.request_id]
+                if jid in lost:
                     continue
                 events: list[dict[str, Any]] = []
                 ids, text = list(d.token_ids), d.text
@@ -211,27 +234,39 @@ class Worker:
                         events.append({"t": "error", "status": 500, "code": "worker_lost",
                                        "message": "the worker running this request stopped mid-stream and the "
                                                   "retry produced different tokens; retry the request"})
-                        lost.add(d.request_id)
-                if d.request_id not in lost and (ids or text):
-                    events.append({"t": "delta", "ids": ids, "text": text})
-                if d.result is not None and d.request_id not in lost:
+                        lost.add(jid)
+                if jid not in lost and (ids or text):
+                    ev: dict[str, Any] = {"t": "delta", "ids": ids, "text": text}
+                    if d.logprobs is not None and ids:
+                        ev["lp"] = _lp_event(d.logprobs[len(d.logprobs) - len(ids):])
+                    if n > 1:
+                        ev["i"] = index
+                    events.append(ev)
+                if d.result is not None and jid not in lost:
                     res = d.result
                     tele = dict(res.telemetry)
                     tele["queue_wait_s"] = round(max(0.0, job.claimed_at - job.created), 4)
                     tele["attempt"] = job.attempts
                     tele["worker"] = self.worker_id
-                    events.append({"t": "done", "finish_reason": res.finish_reason,
-                                   "usage": {"prompt_tokens": res.prompt_tokens,
-                                             "completion_tokens": res.completion_tokens},
-                                   "telemetry": tele})
-                if events and not self.queue.publish(self.worker_id, d.request_id, events):
-                    lost.add(d.request_id)  # reaped and handed on: stop decoding it here
+                    done: dict[str, Any] = {"t": "done", "finish_reason": res.finish_reason,
+                                            "usage": {"prompt_tokens": res.prompt_tokens,
+                                                      "completion_tokens": res.completion_tokens},
+                                            "telemetry": tele}
+                    if n > 1:
+                        done["i"] = index
+                    events.append(done)
+                if events and not self.queue.publish(self.worker_id, jid, events):
+                    lost.add(jid)  # reaped and handed on: stop decoding it here
                     continue
-                if d.request_id in lost:
-                    self.queue.finish(self.worker_id, d.request_id, "failed")
+                if jid in lost:
+                    if left.pop(jid, None) is not None:
+                        self.queue.finish(self.worker_id, jid, "failed")
                 elif d.result is not None:
-                    state = "cancelled" if d.result.finish_reason == "cancelled" else "done"
-                    self.queue.finish(self.worker_id, d.request_id, state)
+                    left[jid] -= 1
+                    if left[jid] == 0:
+                        del left[jid]
+                        state = "cancelled" if d.result.finish_reason == "cancelled" else "done"
+                        self.queue.finish(self.worker_id, jid, state)
 
     @staticmethod
     def _skip_published(st: _Resume, ids: list[int], text: str) -> tuple[list[int], str]:

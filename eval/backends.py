@@ -6,9 +6,12 @@ they finish, so the runner can log each one at once (the resume log).
 - `LocalBackend`: `NativeEngine.generate` per batch; jobs are sorted by prompt length first and
   cut into batches of the engine's `max_batch`, so each batch holds neighbours in length
   (length-sorted grouping, as the engine and SkipKV Sec. 4.3 do).
-- `EndpointBackend`: the openai SDK, one chat completion per job from a thread pool of
-  `concurrency`; the policy travels per request in `extra_body={"cotserve": {"policy", "options"}}`.
-  `reasoning_content` and the response's `cotserve` telemetry object are read when present.
+- `EndpointBackend`: the openai SDK, one request per job from a thread pool of `concurrency`:
+  a chat completion (`api="chat"`, the prompt as the user message) or a text completion
+  (`api="completions"`, `/v1/completions` with the prompt as raw text, no chat template; the
+  reasoning is split from the text by its `<think>` tags). The policy travels per request in
+  `extra_body={"cotserve": {"policy", "options"}}`. `reasoning_content` and the response's
+  `cotserve` telemetry object are read when present.
 """
 
 from __future__ import annotations
@@ -116,7 +119,10 @@ class EndpointBackend:
     kind = "endpoint"
 
     def __init__(self, url: str, api_key: str | None, model: str | None, concurrency: int = 4,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, api: str = "chat"):
+        if api not in ("chat", "completions"):
+            raise CotserveError(f"--api must be chat or completions, not {api!r}")
+        self.api = api
         try:
             import openai
         except ImportError:
@@ -143,7 +149,8 @@ class EndpointBackend:
         return models[0].id
 
     def describe(self) -> dict[str, Any]:
-        return {"mode": "endpoint", "endpoint": self.url, "model": self.model, "concurrency": self.concurrency}
+        return {"mode": "endpoint", "endpoint": self.url, "model": self.model, "concurrency": self.concurrency,
+                "api": self.api}
 
     def check(self, policy: str, options: dict[str, Any]) -> None:
         """The server validates policies; nothing to check here."""
@@ -154,12 +161,15 @@ class EndpointBackend:
         body: dict[str, Any] = {"cotserve": {"policy": job.policy, "options": job.options}}
         t0 = time.time()
         try:
-            kwargs: dict[str, Any] = dict(model=self.model, messages=[{"role": "user", "content": job.prompt}],
-                                          max_tokens=job.max_tokens, temperature=job.temperature,
+            kwargs: dict[str, Any] = dict(model=self.model, max_tokens=job.max_tokens, temperature=job.temperature,
                                           top_p=job.top_p, extra_body=body)
             if job.seed is not None:
                 kwargs["seed"] = job.seed
-            resp = self.client.chat.completions.create(**kwargs)
+            if self.api == "completions":
+                resp = self.client.completions.create(prompt=job.prompt, **kwargs)
+            else:
+                resp = self.client.chat.completions.create(
+                    messages=[{"role": "user", "content": job.prompt}], **kwargs)
         except openai.APIConnectionError as exc:
             return Output(job, t_start=t0, t_end=time.time(), error=f"connection: {exc}")
         except openai.APIStatusError as exc:
@@ -173,13 +183,16 @@ class EndpointBackend:
             return Output(job, t_start=t0, t_end=time.time(), error=str(exc))
         t1 = time.time()
         choice = resp.choices[0]
-        msg = choice.message
-        content = msg.content or ""
-        reasoning = getattr(msg, "reasoning_content", None)
-        if reasoning is None and msg.model_extra:
-            reasoning = msg.model_extra.get("reasoning_content")
-        if reasoning is None:  # a server that leaves <think> in the content
-            reasoning, content = split_reasoning(content)
+        if self.api == "completions":
+            reasoning, content = split_reasoning(choice.text or "")
+        else:
+            msg = choice.message
+            content = msg.content or ""
+            reasoning = getattr(msg, "reasoning_content", None)
+            if reasoning is None and msg.model_extra:
+                reasoning = msg.model_extra.get("reasoning_content") or msg.model_extra.get("reasoning")
+            if reasoning is None:  # a server that leaves <think> in the content
+                reasoning, content = split_reasoning(content)
         text = (f"<think>\n{reasoning}\n</think>\n\n" if reasoning else "") + content
         usage = resp.usage
         completion = int(getattr(usage, "completion_tokens", 0) or 0)

@@ -17,10 +17,14 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
                  model: str | None, policy: str, policy_opt: list[str] | None, policy_file: str | None,
                  limit: int | None, concurrency: int, max_tokens: int, samples: int, temperature: float,
                  top_p: float, seed: int, out: str, fresh: bool, max_batch: int, device: str, dtype: str,
-                 code_timeout: float, code_memory_mb: int, progress: bool) -> dict[str, Any]:
+                 code_timeout: float, code_memory_mb: int, progress: bool, api: str = "chat") -> dict[str, Any]:
     from cotserve.data import data_dir as find_data_dir
     from cotserve.policies.registry import parse_options
 
+    if api not in ("chat", "completions"):
+        raise CotserveError(f"--api must be chat or completions, not {api!r}")
+    if api != "chat" and not endpoint:
+        raise CotserveError("--api completions needs --endpoint (the local engine runs the prompt as chat)")
     refs = parse_suites(suite)
     needs_dir = data_source != "hf" and any(r.spec is not None for r in refs)
     ddir = find_data_dir(data_dir, required=needs_dir)
@@ -45,7 +49,7 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
         from cotserve.eval.backends import EndpointBackend
 
         key = api_key or os.environ.get("COTSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        backend = EndpointBackend(endpoint, key, model, concurrency=concurrency)
+        backend = EndpointBackend(endpoint, key, model, concurrency=concurrency, api=api)
     else:
         from cotserve.engine.native import NativeEngine
         from cotserve.eval.backends import LocalBackend

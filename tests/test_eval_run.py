@@ -270,3 +270,54 @@ def test_cli_runs_a_custom_suite_and_resumes(tmp_path):
     assert sorted(json.loads(x)["id"] for x in (out / "predictions.jsonl").read_text().splitlines()) == ["q1", "q2"]
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r2.returncode == 0 and len((out / "predictions.jsonl").read_text().splitlines()) == 2  # nothing redone
+
+
+# -- endpoint mode against cotserve's own gateway, text completions --------------------------------
+
+@pytest.fixture(scope="module")
+def gateway(engine):
+    """cotserve's gateway + in-process queue + a worker on the bundled engine."""
+    from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
+    from cotserve.gateway.server import ServerThread
+    from cotserve.queue import InProcessQueue
+    from cotserve.worker import Worker
+
+    queue = InProcessQueue()
+    app = create_app(GatewaySettings(model_name="bundled"), queue,
+                     PromptBuilder(engine.tokenizer, engine.info.max_positions))
+    worker = Worker(engine, queue, worker_id="w-eval", max_batch=4)
+    th = threading.Thread(target=worker.run, daemon=True)
+    th.start()
+    with ServerThread(app) as url:
+        yield url
+    worker.stop()
+    th.join(timeout=60)
+
+
+def test_endpoint_completions_api(gateway, engine, tmp_path):
+    from cotserve.engine.native import GenRequest
+    from cotserve.engine.sampling import SamplingParams
+    from cotserve.eval.backends import Job
+
+    backend = EndpointBackend(gateway, None, None, concurrency=2, api="completions")
+    assert backend.describe()["api"] == "completions"
+    prompt = "Question: What is 3 + 4?\nAnswer:"
+    (out,) = list(backend.run([Job(("s", "dense", "q", 0), prompt, "dense", {}, 8, 0.0, 1.0, None)]))
+    (want,) = engine.generate([GenRequest(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=8))])
+    assert out.error is None and out.text == want.text  # the raw prompt, no chat template
+    assert out.completion_tokens == want.completion_tokens and out.telemetry["policy"] == "dense"
+
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"uid": f"q{i}", "q": f"What is {i} + {i}?", "a": str(2 * i)}) + "\n"
+                            for i in (1, 2)))
+    cfg = EvalConfig(suites=parse_suites(f"custom:{data}:q:a:gsm8k:uid"), variants=parse_variants("dense"),
+                     out=tmp_path / "out", data_dir=None, limit=None, max_tokens=6, progress=False)
+    res = run_eval(cfg, backend)
+    assert [(r["n"], r["errors"]) for r in res["runs"]] == [(2, 0)]
+    assert json.loads((tmp_path / "out" / "run_config.json").read_text())["backend"]["api"] == "completions"
+
+
+def test_cli_api_completions_needs_an_endpoint(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "cotserve.cli", "eval", "--suite", "gsm8k", "--api", "completions",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--api completions needs --endpoint" in r.stderr

@@ -19,7 +19,7 @@ import torch
 from cotserve.engine.batch import BatchState, ModelInfo
 from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.engine.decoder import LeanDecoder, route_attention
-from cotserve.engine.sampling import SamplingParams, sample_next
+from cotserve.engine.sampling import SamplingParams, sample_next, token_logprobs
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher, encode_chat
 from cotserve.errors import RequestError
 from cotserve.models import LoadedModel
@@ -80,6 +80,8 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None
     result: Completion | None = None
+    # per token of token_ids when the request asked for logprobs: (logprob, [(id, logprob)] top-k)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -98,9 +100,11 @@ class Completion:
 class NativeEngine:
     """Batched generation with cotserve's cache and policies on a transformers model."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 8, cuda_graphs: bool = True, lean: bool = True):
+    def __init__(self, loaded: LoadedModel, max_batch: int = 8, cuda_graphs: bool = True, lean: bool = True,
+                 share_prefill: bool = True):
         _register_attention()
         self.cuda_graphs = cuda_graphs
+        self.share_prefill = share_prefill  # slots with the same prompt prefill once (prefill-shareable stacks)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -126,6 +130,9 @@ class NativeEngine:
         self.eos_ids = self._eos_ids()
         # the lean decoder stack (engine/decoder.py) when the model's layout allows it
         self.lean = LeanDecoder(self.model) if lean and LeanDecoder.supports(self.model) else None
+        # optional (batch, logits [B, V]) -> logits, applied to every step's logits before sampling
+        # (tests force known output text through it)
+        self.logits_hook: Callable[[BatchState, torch.Tensor], torch.Tensor] | None = None
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -187,7 +194,8 @@ class NativeEngine:
 
     def logits(self, hidden: torch.Tensor, batch: BatchState) -> torch.Tensor:
         out = self.lean.logits(hidden) if self.lean is not None and batch.lean else None
-        return out if out is not None else self.model.lm_head(hidden).float()
+        out = out if out is not None else self.model.lm_head(hidden).float()
+        return out if self.logits_hook is None else self.logits_hook(batch, out)
 
     # -- generation -----------------------------------------------------------------------
     def check_request(self, req: GenRequest) -> None:
@@ -244,8 +252,12 @@ class NativeEngine:
             ids[i, : prompt_lens[i]] = torch.tensor(r.prompt_ids, device=self.device)
         pos = torch.arange(tmax, device=self.device).unsqueeze(0).expand(bsz, -1)
         batch.mode = "prefill"
-        hidden = self.forward(ids, pos, batch)
-        stack.after_forward(batch)
+        rows = shared_prefill_rows(requests) if self.share_prefill and stack.prefill_shareable() else None
+        if rows is None:
+            hidden = self.forward(ids, pos, batch)
+            stack.after_forward(batch)
+        else:
+            hidden = self._prefill_once(ids, pos, batch, rows)
         last = hidden[torch.arange(bsz, device=self.device), plen_t - 1]
         logits = self.logits(last, batch)
 
@@ -256,6 +268,7 @@ class NativeEngine:
                         padding_fraction=1.0 - sum(prompt_lens) / float(bsz * tmax),
                         kv_after_prefill=cache.nbytes_per_slot().clone())
         run.kv_peak = run.kv_after_prefill.clone()
+        run.extra["prefill_rows"] = bsz if rows is None else len(set(rows))
         run.t_decode = time.perf_counter()
         batch.mode = "decode"
         graph = None
@@ -279,7 +292,8 @@ class NativeEngine:
                 next_tokens[i] = tok
                 batch.tokens[i].append(tok)
                 if s.finish is None:
-                    step_deltas.append(Delta(s.req.request_id, [tok], text))
+                    step_deltas.append(Delta(s.req.request_id, [tok], text,
+                                             logprobs=None if s.last_lp is None else [s.last_lp]))
                 else:
                     step_deltas.append(self._final(i, s, run, batch, tok, text))
             if step_deltas:
@@ -313,6 +327,8 @@ class NativeEngine:
             tok = greedy if r.sampling.temperature <= 0 else sample_next(logits, r.sampling, s.generator, s.out_ids)
         s.out_ids.append(tok)
         sp = r.sampling
+        if sp.logprobs is not None:
+            s.last_lp = token_logprobs(logits, tok, sp.logprobs)
         if tok in sp.stop_token_ids or (tok in self.eos_ids and not sp.ignore_eos):
             s.finish = "stop"
             return tok, s.stops.feed(s.detok.flush()) + s.stops.finish()
@@ -351,8 +367,32 @@ class NativeEngine:
                           finish_reason=s.finish or "stop", prompt_tokens=s.prompt_len,
                           completion_tokens=n, telemetry=tele, greedy_ids=list(s.greedy_ids),
                           logprobs=torch.stack(s.logprob_rows) if s.logprob_rows else None)
+        lps = [s.last_lp] if tok is not None and s.last_lp is not None else None
         return Delta(s.req.request_id, [] if tok is None else [tok], text, finished=True,
-                     finish_reason=comp.finish_reason, result=comp)
+                     finish_reason=comp.finish_reason, result=comp, logprobs=lps)
+
+    def _prefill_once(self, ids: torch.Tensor, pos: torch.Tensor, batch: BatchState, rows: list[int]
+                      ) -> torch.Tensor:
+        """Prefill each distinct prompt once (`rows[i]`: the slot whose prompt slot i shares), then
+        copy its cache rows to the slots that share it. Only for stacks whose policies keep no
+        per-slot state from the prefill (`PolicyStack.prefill_shareable`)."""
+        uniq = sorted(set(rows))
+        src = torch.tensor([uniq.index(r) for r in rows], device=self.device)
+        full = batch.cache
+        sub_cache = KVCache(CacheShape(full.shape.layers, len(uniq), full.shape.kv_heads, full.shape.capacity,
+                                       full.shape.head_dim), full.k.dtype, self.device)
+        sub = BatchState(info=batch.info, cache=sub_cache, policy=batch.policy, scaling=batch.scaling,
+                         prompt_lens=batch.prompt_lens[uniq], tokens=[batch.tokens[i] for i in uniq],
+                         active=batch.active[uniq], extras={j: batch.extras[i] for j, i in enumerate(uniq)},
+                         lean=batch.lean, mode="prefill")
+        hidden = self.forward(ids[uniq], pos[: len(uniq)], sub)
+        batch.policy.after_forward(sub)
+        for name in ("k", "v", "pos"):
+            getattr(full, name).copy_(getattr(sub_cache, name).index_select(1, src))
+        full.lens.copy_(sub_cache.lens.index_select(1, src))
+        hidden = hidden.index_select(0, src)
+        batch.hidden = hidden
+        return hidden
 
 
 @dataclass
@@ -369,6 +409,7 @@ class _Slot:
     greedy_ids: list[int] = field(default_factory=list)
     logprob_rows: list[torch.Tensor] = field(default_factory=list)
     finish: str | None = None
+    last_lp: tuple[float, list[tuple[int, float]]] | None = None  # the latest token's logprobs (if asked)
 
 
 @dataclass
@@ -422,3 +463,14 @@ def group_by_length(requests: list[GenRequest], max_batch: int) -> list[list[Gen
     so right-padding in prefill and ragged cache lengths in decode stay small."""
     order = sorted(requests, key=lambda r: len(r.prompt_ids))
     return [order[i : i + max_batch] for i in range(0, len(order), max_batch)]
+
+
+def shared_prefill_rows(requests: list[GenRequest]) -> list[int] | None:
+    """For each request, the first request with the same prompt and policy inputs (n sequences
+    of one prompt); None when every prompt is distinct (nothing to share)."""
+    first: dict[str, int] = {}
+    rows = []
+    for i, r in enumerate(requests):
+        key = repr((r.prompt_ids, sorted(r.extras.items(), key=lambda kv: kv[0]), r.forced_ids))
+        rows.append(first.setdefault(key, i))
+    return rows if len(set(rows)) < len(rows) else None

@@ -8,6 +8,8 @@ import torch
 
 from cotserve.errors import RequestError
 
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and the top k (k <= 20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +39,8 @@ class SamplingParams:
             raise RequestError("top_p must be in (0, 1]", field="top_p")
         if self.top_k < 0:
             raise RequestError("top_k must be >= 0", field="top_k")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", field="top_logprobs")
 
     def make_generator(self, device: torch.device) -> torch.Generator:
         gen = torch.Generator(device=device)
@@ -69,3 +74,14 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of `token` under the raw model distribution (log-softmax of a [V] logit row,
+    before temperature and top-k/top-p) and the `top` most likely tokens with theirs."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        vals, ids = torch.topk(lsm, top)
+        best = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return float(lsm[token]), best

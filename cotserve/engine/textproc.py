@@ -5,15 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
     """Prompt token ids for chat messages: the tokenizer's chat template with the generation
-    prompt added, or the contents joined by newlines when the model has no template."""
+    prompt added (and `tools`, for templates that render them), or the contents joined by
+    newlines when the model has no template."""
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        kwargs = {"tools": tools} if tools else {}
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **kwargs)
         if hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)
-    return tokenizer.encode("\n".join(m["content"] for m in messages))
+    return tokenizer.encode("\n".join(m.get("content") or "" for m in messages))
 
 
 class IncrementalDetokenizer:

@@ -1,8 +1,11 @@
 """The FastAPI gateway: OpenAI-compatible chat completions in front of a `JobQueue`.
 
-It validates and authenticates, applies the chat template and counts prompt tokens, checks the
-per-request policy, enqueues a job, and turns the job's event stream into an OpenAI response
-(one JSON body, or SSE chunks ending with `data: [DONE]`). A client that goes away cancels its job.
+It validates and authenticates, applies the chat template (with the request's tools) and counts
+prompt tokens, checks the per-request policy, enqueues a job, and turns the job's event stream
+into an OpenAI response (one JSON body, or SSE chunks ending with `data: [DONE]`): reasoning split
+(`reasoning.py`), tool calls parsed (`tools.py`), logprobs and n choices (`output.py`). Text
+completions, /tokenize, /detokenize and /version live in `completions.py`. A client that goes
+away cancels its job.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from cotserve import __version__
-from cotserve.engine.textproc import ReasoningStream, encode_chat, split_reasoning
+from cotserve.engine.textproc import encode_chat
 from cotserve.errors import CotserveError
-from cotserve.gateway import errors
+from cotserve.gateway import completions, errors
 from cotserve.gateway.auth import check_key
 from cotserve.gateway.errors import APIError
 from cotserve.gateway.metrics import Metrics
+from cotserve.gateway.output import ChatChoice, ChatPlan, TokenText, chat_logprobs
+from cotserve.gateway.reasoning import make_reasoning_parser
 from cotserve.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -31,6 +36,7 @@ from cotserve.gateway.schemas import (
     ModelCard,
     ModelList,
 )
+from cotserve.gateway.tools import fallback_history, get_tool_parser, native_history, template_supports_tools
 from cotserve.policies.registry import build_policy, server_only_keys
 from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable
 
@@ -40,22 +46,38 @@ CHAT_PATH = "/v1/chat/completions"
 class PromptBuilder:
     """Chat template + token counting, on the gateway side (the workers get token ids)."""
 
-    def __init__(self, tokenizer, context_len: int):
+    def __init__(self, tokenizer, context_len: int, path: str | None = None):
         self.tokenizer = tokenizer
         self.context_len = int(context_len)
+        self.path = path  # the model folder (generation_config.json), when known
+        self.native_tools = template_supports_tools(tokenizer)
 
     @classmethod
-    def from_model(cls, spec: str | None) -> PromptBuilder:
+    def from_model(cls, spec: str | None, max_model_len: int | None = None) -> PromptBuilder:
         from transformers import AutoConfig, AutoTokenizer
 
         from cotserve.models import resolve_model
 
         path = resolve_model(spec)
         cfg = AutoConfig.from_pretrained(str(path))
-        return cls(AutoTokenizer.from_pretrained(str(path)), getattr(cfg, "max_position_embeddings", 1 << 20))
+        ctx = getattr(cfg, "max_position_embeddings", 1 << 20)
+        if max_model_len is not None:
+            if max_model_len < 2:
+                raise CotserveError("--max-model-len must be at least 2")
+            ctx = min(ctx, max_model_len)
+        return cls(AutoTokenizer.from_pretrained(str(path)), ctx, str(path))
 
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        return encode_chat(self.tokenizer, messages)
+    def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               prefix: str = "") -> list[int]:
+        """Prompt ids: the template over the history (tools natively or by the fallback), then
+        `prefix` (a forced start of the reply) as plain text."""
+        if self.native_tools:
+            ids = encode_chat(self.tokenizer, native_history(messages), tools)
+        else:
+            ids = encode_chat(self.tokenizer, fallback_history(messages, tools))
+        if prefix:
+            ids = ids + self.tokenizer.encode(prefix, add_special_tokens=False)
+        return ids
 
 
 @dataclass
@@ -65,14 +87,19 @@ class GatewaySettings:
     policy_options: dict[str, Any] = field(default_factory=dict)
     api_keys: list[str] = field(default_factory=list)
     max_pending: int = 256
-    default_max_tokens: int = 1024
+    default_max_tokens: int | None = None  # None: what remains of the context
     default_temperature: float = 1.0
+    default_top_p: float = 1.0
+    default_top_k: int = 0
+    tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None  # a name from reasoning.REASONING_PARSERS, or None
+    max_n: int = 16
     poll_s: float = 0.5  # how often a waiting request checks for a client disconnect
     queue_timeout: float | None = None  # seconds a job may wait for a worker before it fails with 503
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    out = []
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
             texts = []
@@ -85,8 +112,46 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         else:
             content = m.content or ""
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.role == "assistant" and m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+        out.append(msg)
     return out
+
+
+def _tool_plan(req: ChatCompletionRequest, parser_name: str) -> tuple[list[dict[str, Any]] | None, ChatPlan]:
+    """The tools to render and how to parse the reply, from `tools` and `tool_choice`."""
+    plan = ChatPlan()
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+        return None, plan
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tool names must be unique", param="tools", code="invalid_value")
+    if choice == "none":
+        return None, plan
+    parser = get_tool_parser(parser_name)
+    plan.tools, plan.tool_names = parser, set(names)
+    plan.parallel_tool_calls = req.parallel_tool_calls
+    if choice == "required":
+        plan.call_prefix = parser.call_prefix(None)
+    elif choice not in (None, "auto"):
+        name = choice.function.name
+        if name not in plan.tool_names:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
+                           param="tool_choice", code="invalid_value")
+        plan.call_prefix = parser.call_prefix(name)
+    return tools, plan
 
 
 def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilder) -> FastAPI:
@@ -165,7 +230,22 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
                                                 "description": "JSON, or SSE chunks when stream is true"}})
     async def chat(body: ChatCompletionRequest, request: Request):
         # error statuses are counted by the exception handlers (errors.install)
-        job = await _make_job(body)
+        job, plan = await _make_job(body)
+        await submit(job)
+        if body.stream:
+            metrics.requests.labels("200").inc()
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return SSEResponse(_stream(job, plan, request, include_usage), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            result = await _collect(job, plan, request)
+        finally:
+            metrics.in_flight.dec()
+        metrics.requests.labels("200").inc()
+        return result
+
+    async def submit(job: Job) -> None:
+        """Readiness check, then enqueue (429 when the queue is full); counts the request in flight."""
         await request_ready()
         try:
             await queue.submit(job, settings.max_pending)
@@ -175,35 +255,23 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         except QueueUnavailable as exc:
             raise APIError(503, str(exc), code="queue_unavailable", headers={"Retry-After": "1"}) from exc
         metrics.in_flight.inc()
-        if body.stream:
-            metrics.requests.labels("200").inc()
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return SSEResponse(_stream(job, request, include_usage), media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            result = await _collect(job, request)
-        finally:
-            metrics.in_flight.dec()
-        metrics.requests.labels("200").inc()
-        return result
 
-    async def _make_job(body: ChatCompletionRequest) -> Job:
-        if body.model != settings.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
                            param="model", code="model_not_found")
-        if body.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
-        messages = _messages(body)
+
+    def policy_of(cot) -> tuple[str, dict[str, Any]]:
         policy, options = settings.policy, dict(settings.policy_options)
-        if body.cotserve is not None:
-            if body.cotserve.policy is not None:
-                policy, options = body.cotserve.policy, {}
-            forbidden = server_only_keys(body.cotserve.options)
+        if cot is not None:
+            if cot.policy is not None:
+                policy, options = cot.policy, {}
+            forbidden = server_only_keys(cot.options)
             if forbidden:
                 raise APIError(400, f"option(s) {', '.join(forbidden)} name server files and can only be set "
                                "by the server (serve --policy-opt / --policy-file)",
                                param="cotserve.options", code="invalid_policy")
-            options.update(body.cotserve.options)
+            options.update(cot.options)
             try:
                 build_policy(policy)
             except CotserveError as exc:
@@ -212,39 +280,70 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
                 build_policy(policy, options)
             except CotserveError as exc:
                 raise APIError(400, str(exc), param="cotserve.options", code="invalid_policy") from exc
-        try:
-            ids = await run_in_threadpool(prompts.encode, messages)
-        except Exception as exc:  # a template that rejects this conversation
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        return policy, options
+
+    def sampling_of(body, n_prompt: int, asked: int | None, asked_param: str, logprobs: int | None,
+                    where: str) -> dict[str, Any]:
+        """Sampling settings: the request's, else the defaults (generation config, server)."""
         ctx = prompts.context_len
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="messages", code="invalid_value")
-        if len(ids) >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the messages have "
-                                f"{len(ids)} tokens.", param="messages", code="context_length_exceeded")
-        asked = body.max_completion_tokens or body.max_tokens
-        if asked is not None and len(ids) + asked > ctx:
+        if not n_prompt:
+            raise APIError(400, "the prompt is empty", param=where, code="invalid_value")
+        if n_prompt >= ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the {where} have "
+                                f"{n_prompt} tokens.", param=where, code="context_length_exceeded")
+        if asked is not None and n_prompt + asked > ctx:
             raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                                f"{len(ids) + asked} tokens ({len(ids)} in the messages, {asked} in the completion).",
-                           param="max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
-                           code="context_length_exceeded")
-        max_tokens = asked or min(settings.default_max_tokens, ctx - len(ids))
+                                f"{n_prompt + asked} tokens ({n_prompt} in the {where}, {asked} in the completion).",
+                           param=asked_param, code="context_length_exceeded")
+        n = body.n or 1
+        if n > settings.max_n:
+            raise APIError(400, f"n is at most {settings.max_n} on this server", param="n", code="invalid_value")
+        room = ctx - n_prompt
+        max_tokens = asked or (min(settings.default_max_tokens, room) if settings.default_max_tokens else room)
         temperature = settings.default_temperature if body.temperature is None else body.temperature
         seed = body.seed
         if seed is None and temperature > 0:
             seed = secrets.randbits(62)  # server-drawn: a retry on another worker can resume the stream
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": body.top_p or 1.0,
-                    "top_k": body.top_k or 0, "seed": seed, "stop": stop, "ignore_eos": body.ignore_eos}
+        return {"max_tokens": max_tokens, "temperature": temperature,
+                "top_p": settings.default_top_p if body.top_p is None else body.top_p,
+                "top_k": settings.default_top_k if body.top_k is None else body.top_k, "seed": seed, "stop": stop,
+                "ignore_eos": body.ignore_eos, "logprobs": logprobs, "n": n}
+
+    def new_job(ids: list[int], sampling: dict[str, Any], policy: str, options: dict[str, Any],
+                prefix: str = "chatcmpl-") -> Job:
         job = Job(prompt_ids=ids, sampling=sampling, policy=policy, options=options)
+        job.id = prefix + job.id.partition("-")[2]
         if settings.queue_timeout:
             job.deadline = job.created + settings.queue_timeout
         return job
 
-    async def _events(job: Job, request: Request):
-        """The job's events; cancels it when the client goes away (shielded: also on cancellation)."""
+    async def _make_job(body: ChatCompletionRequest) -> tuple[Job, ChatPlan]:
+        check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        messages = _messages(body)
+        tools, plan = _tool_plan(body, settings.tool_call_parser)
+        plan.n = body.n or 1
+        plan.reasoning = make_reasoning_parser(settings.reasoning_parser)
+        plan.logprobs, plan.top_logprobs = body.logprobs, body.top_logprobs or 0
+        policy, options = policy_of(body.cotserve)
+        try:
+            ids = await run_in_threadpool(prompts.encode, messages, tools, plan.call_prefix)
+        except Exception as exc:  # a template that rejects this conversation
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        asked = body.max_completion_tokens or body.max_tokens
+        sampling = sampling_of(body, len(ids), asked,
+                               "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
+                               plan.top_logprobs if body.logprobs else None, "messages")
+        return new_job(ids, sampling, policy, options), plan
+
+    async def events(job: Job, request: Request, n: int = 1):
+        """The job's events until its n sequences are done (or an error); cancels the job when the
+        client goes away (shielded: also on cancellation)."""
         after = "0"
         finished = False
+        done = 0
         last_check = time.monotonic()
         try:
             while True:
@@ -254,7 +353,9 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
                     raise APIError(503, str(exc), code="queue_unavailable") from exc
                 for eid, ev in evs:
                     after = eid
-                    if ev.get("t") in ("done", "error"):
+                    if ev.get("t") == "done":
+                        done += 1
+                    if ev.get("t") == "error" or done >= n:
                         finished = True
                     yield ev
                     if finished:
@@ -272,55 +373,78 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         metrics.cancelled.inc()
         await queue.cancel(job_id)
 
-    async def _collect(job: Job, request: Request) -> JSONResponse:
+    async def collect(job: Job, request: Request, n: int, on_event) -> tuple[list[dict[str, Any]], float]:
+        """Run a job to its end, handing each delta/done event to `on_event`; returns the done
+        events (by choice index) and the latency."""
         t0 = time.perf_counter()
-        text = ""
-        done = None
-        gen = _events(job, request)
+        dones: list[dict[str, Any] | None] = [None] * n
+        gen = events(job, request, n)
         try:
             async for ev in gen:
-                if ev["t"] == "delta":
-                    text += ev["text"]
-                elif ev["t"] == "error":
+                if ev["t"] == "error":
                     raise APIError(int(ev.get("status", 500)), ev.get("message", "worker error"), code=ev.get("code"))
-                elif ev["t"] == "done":
-                    done = ev
+                on_event(ev)
+                if ev["t"] == "done":
+                    dones[ev.get("i", 0)] = ev
         finally:
             await gen.aclose()
-        if done is None:  # the client went away; nobody reads this
+        if any(d is None for d in dones):  # the client went away; nobody reads this
             raise APIError(499, "the client disconnected; the request was cancelled", code="cancelled",
                            type_="invalid_request_error")
         latency = time.perf_counter() - t0
         metrics.latency.observe(latency)
         metrics.ttft.observe(latency)
-        metrics.observe_done(done["usage"], done.get("telemetry", {}))
-        reasoning, content = split_reasoning(text)
-        usage = done["usage"]
-        message = {"role": "assistant", "content": content}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
+        for d in dones:
+            metrics.observe_done(d["usage"], d.get("telemetry", {}))
+        return dones, latency
+
+    def usage_of(dones: list[dict[str, Any]]) -> dict[str, int]:
+        prompt = dones[0]["usage"]["prompt_tokens"]
+        completion = sum(d["usage"]["completion_tokens"] for d in dones)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def telemetry_of(dones: list[dict[str, Any]]) -> dict[str, Any]:
+        tele = dict(dones[0].get("telemetry", {}))
+        if len(dones) > 1:
+            tele["choices"] = [d.get("telemetry", {}) for d in dones]
+        return tele
+
+    async def _collect(job: Job, plan: ChatPlan, request: Request) -> JSONResponse:
+        choices = [ChatChoice(i, plan) for i in range(plan.n)]
+
+        def on_event(ev: dict[str, Any]) -> None:
+            c = choices[ev.get("i", 0)]
+            if ev["t"] == "delta":
+                c.add(ev)
+            else:
+                c.finish_reason = ev["finish_reason"]
+
+        dones, _ = await collect(job, request, plan.n, on_event)
+        out = []
+        for c in choices:
+            message, finish = c.message()
+            lp = chat_logprobs(token_text, c.ids, c.lps, plan.top_logprobs) if plan.logprobs else None
+            out.append({"index": c.index, "message": message, "finish_reason": finish, "logprobs": lp})
         return JSONResponse({
             "id": job.id, "object": "chat.completion", "created": int(job.created), "model": settings.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": done["finish_reason"], "logprobs": None}],
-            "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
-            "system_fingerprint": None,
-            "cotserve": done.get("telemetry", {}),
+            "choices": out, "usage": usage_of(dones), "system_fingerprint": None, "cotserve": telemetry_of(dones),
         })
 
     def _chunk(job: Job, delta: dict[str, Any], finish: str | None, include_usage: bool,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
         import json
 
         obj: dict[str, Any] = {"id": job.id, "object": "chat.completion.chunk", "created": int(job.created),
                                "model": settings.model_name, "system_fingerprint": None,
-                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                               "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                            "finish_reason": finish}]}
         if include_usage:
             obj["usage"] = None
         if extra:
             obj.update(extra)
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def _guard(gen):
+    async def guard(gen):
         """Turn a backend failure mid-stream into an in-stream error event."""
         try:
             async for ev in gen:
@@ -328,48 +452,54 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         except APIError as exc:
             yield {"t": "error", "status": exc.status, "code": exc.code, "message": exc.message}
 
-    async def _stream(job: Job, request: Request, include_usage: bool):
+    async def _stream(job: Job, plan: ChatPlan, request: Request, include_usage: bool):
         import json
 
         t0 = time.perf_counter()
         first = True
-        rs = ReasoningStream()
-        gen = _events(job, request)
+        choices = [ChatChoice(i, plan) for i in range(plan.n)]
+        dones: list[dict[str, Any]] = []
+        gen = events(job, request, plan.n)
         try:
-            yield _chunk(job, {"role": "assistant", "content": ""}, None, include_usage)
-            async for ev in _guard(gen):
-                if ev["t"] == "delta":
-                    reasoning, content = rs.feed(ev["text"])
-                elif ev["t"] == "done":
-                    reasoning, content = rs.finish()
-                else:  # error: OpenAI's in-stream error object, then the end marker
+            for c in choices:
+                yield _chunk(job, {"role": "assistant", "content": ""}, None, include_usage, index=c.index)
+            async for ev in guard(gen):
+                if ev["t"] == "error":  # OpenAI's in-stream error object, then the end marker
                     err = APIError(int(ev.get("status", 500)), ev.get("message", "worker error"), code=ev.get("code"))
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
-                if reasoning or content:
+                c = choices[ev.get("i", 0)]
+                delta = c.feed(ev["text"]) if ev["t"] == "delta" else c.finish()
+                lp = None
+                if plan.logprobs and ev.get("lp"):
+                    lp = chat_logprobs(token_text, ev["ids"], ev["lp"], plan.top_logprobs)
+                if delta or lp:
                     if first:
                         metrics.ttft.observe(time.perf_counter() - t0)
                         first = False
-                    delta: dict[str, Any] = {}
-                    if reasoning:
-                        delta["reasoning_content"] = reasoning
-                    if content:
-                        delta["content"] = content
-                    yield _chunk(job, delta, None, include_usage)
+                    yield _chunk(job, delta, None, include_usage, index=c.index, logprobs=lp)
                 if ev["t"] == "done":
-                    usage = dict(ev["usage"])
-                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                    dones.append(ev)
+                    c.finish_reason = ev["finish_reason"]
                     tele = ev.get("telemetry", {})
-                    metrics.latency.observe(time.perf_counter() - t0)
                     metrics.observe_done(ev["usage"], tele)
-                    yield _chunk(job, {}, ev["finish_reason"], include_usage, {"cotserve": tele})
-                    if include_usage:
-                        yield (f"data: {json.dumps({'id': job.id, 'object': 'chat.completion.chunk', 'created': int(job.created), 'model': settings.model_name, 'system_fingerprint': None, 'choices': [], 'usage': usage, 'cotserve': tele})}\n\n")
+                    yield _chunk(job, {}, c.stream_finish_reason(), include_usage, {"cotserve": tele}, index=c.index)
+                    if len(dones) == plan.n:
+                        metrics.latency.observe(time.perf_counter() - t0)
+                        if include_usage:
+                            usage = usage_of(dones)
+                            yield (f"data: {json.dumps({'id': job.id, 'object': 'chat.completion.chunk', 'created': int(job.created), 'model': settings.model_name, 'system_fingerprint': None, 'choices': [], 'usage': usage, 'cotserve': telemetry_of(dones)})}\n\n")
             yield "data: [DONE]\n\n"
         finally:
             await gen.aclose()
             metrics.in_flight.dec()
 
+    token_text = TokenText(prompts.tokenizer)
+    completions.install(app, completions.Runtime(
+        settings=settings, prompts=prompts, metrics=metrics, auth=auth, submit=submit, check_model=check_model,
+        policy_of=policy_of, sampling_of=sampling_of, new_job=new_job, collect=collect, events=events,
+        guard=guard, usage_of=usage_of, telemetry_of=telemetry_of, token_text=token_text,
+        err_responses=err_responses, sse=SSEResponse))
     return app
 
 

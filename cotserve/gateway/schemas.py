@@ -16,11 +16,54 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = Field("{}", description="JSON text (as OpenAI sends it) or an object.")
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant message (conversation history)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="Assistant messages: the calls it made.")
+    tool_call_id: str | None = Field(None, description="Tool messages: the call this result answers.")
+    reasoning_content: str | None = Field(None, description="Ignored in history (templates drop past reasoning).")
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -47,25 +90,83 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): 0 = no top-k cut.")
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
-    n: int | None = Field(1, description="Only 1 is supported.")
+    n: int | None = Field(1, ge=1, description="Choices to generate from the one prompt (they share its prefill).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension (as in vLLM): keep generating past end-of-sequence.")
+    logprobs: bool = Field(False, description="Return each generated token's log-probability.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Also the k most likely tokens (needs logprobs).")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: 'auto' when tools are given, else 'none'.")
+    parallel_tool_calls: bool = True
     cotserve: CotserveOptions | None = None
+
+
+class CompletionRequest(BaseModel):
+    """Legacy text completions: a raw prompt, no chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="One prompt: a string or token ids (a list holding one of them is accepted too).")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): 0 = no top-k cut.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    n: int | None = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = Field(False, description="Not supported (true is refused).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Top log-probabilities per token (0..20).")
+    suffix: str | None = Field(None, description="Not supported.")
+    best_of: int | None = Field(None, description="Not supported beyond n.")
+    user: str | None = None
+    ignore_eos: bool = False
+    cotserve: CotserveOptions | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a raw `prompt`, or chat `messages` rendered through the template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    reasoning_content: str | None = None
+    reasoning_content: str | None = Field(None, description="The reasoning (litellm's name), with a reasoning parser.")
+    reasoning: str | None = Field(None, description="The same text under vLLM's current name.")
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class Choice(BaseModel):
     index: int = 0
     message: ChatCompletionMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Usage(BaseModel):

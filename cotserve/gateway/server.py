@@ -58,8 +58,12 @@ class ServeArgs:
     api_key_file: str | None = None
     insecure: bool = False
     max_pending: int = 256
-    default_max_tokens: int = 1024
+    default_max_tokens: int | None = None  # None: what remains of the context
     default_temperature: float = 1.0
+    generation_config: str = "auto"  # auto | vllm | PATH (gateway/defaults.py)
+    max_model_len: int | None = None
+    tool_call_parser: str = "hermes"
+    reasoning_parser: str = "auto"
     served_model_name: str | None = None
     queue_timeout: float | None = None
     log_level: str = "info"
@@ -84,11 +88,36 @@ def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedd
     return t
 
 
+def gateway_settings(args: ServeArgs, engine_args: EngineArgs, prompts, keys: list[str] | None = None):
+    """The gateway's settings from the serve options and the model: the sampling defaults of
+    `--generation-config`, the tool call and reasoning parsers."""
+    from cotserve.gateway.app import GatewaySettings
+    from cotserve.gateway.defaults import SamplingDefaults, load_defaults
+    from cotserve.gateway.reasoning import resolve_reasoning_parser
+    from cotserve.gateway.tools import get_tool_parser
+    from cotserve.models import model_slug
+
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise CotserveError("--default-max-tokens must be at least 1")
+    get_tool_parser(args.tool_call_parser)  # fail now on an unknown name
+    tpl = getattr(prompts.tokenizer, "chat_template", None)
+    reasoning = resolve_reasoning_parser(args.reasoning_parser, tpl if isinstance(tpl, str) else None)
+    base = SamplingDefaults(temperature=args.default_temperature, max_tokens=args.default_max_tokens)
+    defaults = load_defaults(args.generation_config, prompts.path, base)
+    if defaults.max_tokens is not None and args.default_max_tokens is not None:
+        defaults.max_tokens = args.default_max_tokens  # the command line wins over the model's file
+    return GatewaySettings(
+        model_name=args.served_model_name or model_slug(engine_args.model), policy=args.policy,
+        policy_options=args.policy_options, api_keys=keys or [], max_pending=args.max_pending,
+        default_max_tokens=defaults.max_tokens, default_temperature=defaults.temperature,
+        default_top_p=defaults.top_p, default_top_k=defaults.top_k, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=reasoning, queue_timeout=args.queue_timeout)
+
+
 def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
     import uvicorn
 
-    from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-    from cotserve.models import model_slug
+    from cotserve.gateway.app import PromptBuilder, create_app
     from cotserve.policies.registry import build_policy
     from cotserve.queue import make_queue
 
@@ -99,15 +128,11 @@ def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
             "or pass --insecure to serve without authentication")
     build_policy(args.policy, args.policy_options)  # fail now, not on every request
     _set_threads(engine_args.threads)
-    prompts = PromptBuilder.from_model(engine_args.model)
+    prompts = PromptBuilder.from_model(engine_args.model, args.max_model_len)
+    settings = gateway_settings(args, engine_args, prompts, keys)
     queue = make_queue(args.redis_url, prefix=args.key_prefix)
     if args.redis_url:
         _check_redis(queue, args.redis_url)
-    settings = GatewaySettings(
-        model_name=args.served_model_name or model_slug(engine_args.model), policy=args.policy,
-        policy_options=args.policy_options, api_keys=keys, max_pending=args.max_pending,
-        default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature,
-        queue_timeout=args.queue_timeout)
     app = create_app(settings, queue, prompts)
     if not args.redis_url:
         start_worker_thread(engine_args, queue)

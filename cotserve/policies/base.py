@@ -94,6 +94,9 @@ class Policy:
     # True when every decode-time hook is static-shaped and free of host syncs, so the engine may
     # capture the decode step in a CUDA graph. Policies with slow steps / compaction leave it False.
     graph_safe: ClassVar[bool] = False
+    # True when the policy keeps no per-slot state from the prefill, so slots with the same prompt
+    # may share one prefill (the engine computes it once and copies the cache rows)
+    prefill_shareable: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig | None = None):
         self.config = config if config is not None else self.config_cls()
@@ -139,6 +142,9 @@ class PolicyStack:
 
     def graph_safe(self) -> bool:
         return all(p.graph_safe for p in self.parts)
+
+    def prefill_shareable(self) -> bool:
+        return all(p.prefill_shareable for p in self.parts)
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
         full = max(prompt_lens) + max_new + 1
