@@ -245,7 +245,6 @@ def serve(
     dtype: DtypeOpt = "auto",
     engine: EngineOpt = "native",
     tensor_parallel_size: TPOpt = 1,
-    max_model_len: MaxLenOpt = None,
     gpu_memory_utilization: GpuMemOpt = None,
     max_num_seqs: MaxSeqsOpt = None,
     enforce_eager: EagerOpt = False,

@@ -51,6 +51,18 @@ def policy_extra_args(stack: PolicyStack) -> dict[str, Any] | None:
     return {"cotserve": {"policy": stack.name, "options": options}}
 
 
+def _logprobs(ids: list[int], vlp, top: int | None) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    """vLLM's per-token logprob dicts as the worker's (chosen logprob, top-k list) pairs."""
+    if top is None or vlp is None:
+        return None
+    out = []
+    for tok, entry in zip(ids, vlp, strict=False):
+        ranked = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda x: -x[1])
+        chosen = entry[tok].logprob if tok in entry else float("-inf")
+        out.append((chosen, ranked[:top]))
+    return out
+
+
 class VLLMEngine:
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto", max_batch: int = 8,
                  options: VLLMOptions | None = None):
@@ -128,7 +140,7 @@ class VLLMEngine:
         return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
                               top_k=s.top_k, seed=s.seed, stop=list(s.stop),
                               stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, extra_args=extra,
-                              output_kind=RequestOutputKind.DELTA)
+                              logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA)
 
     def stream(self, requests: list[GenRequest], policy: PolicyStack | str | None = None,
                options: dict[str, Any] | None = None,
@@ -180,16 +192,17 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM failed on request {rid}: {item}") from item
             o = item.outputs[0]
             ids, text = list(o.token_ids), o.text or ""
+            lps = _logprobs(ids, o.logprobs, by_id[rid].sampling.logprobs)
             state[rid]["ids"].extend(ids)
             state[rid]["text"].append(text)
             if item.finished:
                 pending.discard(rid)
                 reason = "cancelled" if rid in aborted else (o.finish_reason or "stop")
                 d = self._final(by_id[rid], state[rid], reason)
-                d.token_ids, d.text = ids, text
+                d.token_ids, d.text, d.logprobs = ids, text, lps
                 yield [d]
             elif ids or text:
-                yield [Delta(rid, ids, text)]
+                yield [Delta(rid, ids, text, logprobs=lps)]
 
     def _final(self, req: GenRequest, st: dict, reason: str) -> Delta:
         reason = {"abort": "cancelled"}.get(reason, reason)
