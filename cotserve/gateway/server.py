@@ -96,7 +96,9 @@ def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
     app = create_app(settings, queue, prompts)
     if not args.redis_url:
         start_worker_thread(engine_args, queue)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # log_config=None: uvicorn's records go through the handler cotserve.logconfig installed
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                timeout_graceful_shutdown=5)
 
 
 def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_id: str | None = None,
@@ -117,7 +119,7 @@ def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_
                     max_wait=engine_args.max_wait, heartbeat_s=heartbeat_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
-    log.warning("worker %s serving %s from %s (prefix %r)", worker.worker_id, engine_args.model, redis_url, key_prefix)
+    log.info("worker %s serving %s from %s (prefix %r)", worker.worker_id, engine_args.model, redis_url, key_prefix)
     worker.run()
 
 
