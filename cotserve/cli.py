@@ -365,7 +365,7 @@ def calibrate_sinkrouter(
     try:
         from cotserve.engine.native import NativeEngine
         from cotserve.models import load_model
-        from cotserve.policies.sinkrouter_calibration import calibrate, check_args, write_calibration
+        from cotserve.sinkrouter_calibration import calibrate, check_args, write_calibration
 
         try:
             targets = [float(t) for t in target_skip.split(",") if t.strip()]

@@ -73,7 +73,7 @@ def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
     import uvicorn
 
     from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-    from cotserve.models import model_slug
+    from cotserve.model_names import model_slug
     from cotserve.policies.registry import build_policy
     from cotserve.queue import make_queue
 

@@ -318,7 +318,7 @@ class SinkRouterPolicy(Policy):
     def resolve_calibration(self, model_name: str) -> None:
         if not math.isnan(self.cfg.tau):
             return
-        from cotserve.models import model_slug
+        from cotserve.model_names import model_slug
 
         slug = model_slug(model_name)
         path = Path(self.cfg.calibration).expanduser() if self.cfg.calibration else shipped_calibration(slug)
