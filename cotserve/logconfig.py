@@ -23,7 +23,8 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 FORMATS = ("text", "json")
 LOGGERS = ("cotserve", "uvicorn", "uvicorn.error", "uvicorn.access")
 # LogRecord's own attributes: everything else on a record came from `extra=`.
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+# uvicorn's `color_message` repeats the message with terminal colours.
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName", "color_message"}
 
 
 def _utc(record: logging.LogRecord) -> str:

@@ -53,11 +53,13 @@ def test_json_format_carries_extra_fields(restore_loggers):
     out = io.StringIO()
     logconfig.configure("debug", "json", stream=out)
     logging.getLogger("cotserve.requests").debug("done", extra={"request_id": "r1", "generated_tokens": 7})
+    logging.getLogger("uvicorn.error").info("up", extra={"color_message": "\x1b[1mup\x1b[0m"})
     try:
         raise ValueError("boom")
     except ValueError:
         logging.getLogger("cotserve").exception("failed")
-    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    first, uvicorn, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert uvicorn == {"time": uvicorn["time"], "level": "INFO", "logger": "uvicorn.error", "message": "up"}
     assert first["logger"] == "cotserve.requests" and first["level"] == "DEBUG" and first["message"] == "done"
     assert first["request_id"] == "r1" and first["generated_tokens"] == 7 and first["time"].endswith("Z")
     assert "ValueError: boom" in second["exc_info"]
