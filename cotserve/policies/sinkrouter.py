@@ -264,7 +264,7 @@ def sinkrouter_decode(q: torch.Tensor, cache: KVCache, layer: int, skip: torch.T
 class SinkRouterConfig(PolicyConfig):
     """Knobs (docs/policies/sinkrouter.md).
 
-    calibration: tau file; empty = the shipped cotserve/calibration/<model-slug>.json.
+    calibration: tau file; empty = the shipped `cotserve/calibration/<model-slug>.json`.
     target_skip: which fitted tau(L) to use (a target stored in the file); 0 = the file's default.
     first_layers: the first layers are never routed.
     surrogate: "zero" (paper) or "anchor_value" (public reference implementation).
