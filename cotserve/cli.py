@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from cotserve import __version__, logconfig
 from cotserve.errors import CotserveError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -34,6 +35,28 @@ PolicyFileOpt = Annotated[str | None, typer.Option("--policy-file", help="YAML/J
 def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"cotserve {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def common(
+    log_level: Annotated[str | None, typer.Option(
+        "--log-level", help="Log level of cotserve and uvicorn: debug, info, warning, error, critical "
+                            "(default: $COTSERVE_LOG_LEVEL, else info).")] = None,
+    log_format: Annotated[str | None, typer.Option(
+        "--log-format", help="text, or json (one object a line) (default: $COTSERVE_LOG_FORMAT, else text).")] = None,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    try:
+        logconfig.configure(log_level, log_format)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 @app.command()
@@ -240,7 +263,7 @@ def serve(
     queue_timeout: Annotated[float | None, typer.Option(help="Seconds a request may wait for a worker before "
                                                         "it fails with 503 (default: no limit).")] = None,
     threads: ThreadsOpt = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    log_level: Annotated[str | None, typer.Option(help="The global --log-level, given after the command.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     engine: EngineOpt = "native",
@@ -256,11 +279,16 @@ def serve(
 
         if max_queue < 1 or max_batch < 1:
             raise CotserveError("--max-queue and --max-batch must be at least 1")
+        if log_level is not None:
+            try:
+                logconfig.configure(log_level, logconfig.current()[1])
+            except ValueError as exc:
+                raise CotserveError(str(exc)) from None
         args = ServeArgs(host=host, port=port, policy=policy, policy_options=parse_options(policy_opt, policy_file),
                          redis_url=redis_url, key_prefix=key_prefix, api_key_file=api_key_file, insecure=insecure,
                          max_pending=max_queue, default_max_tokens=default_max_tokens,
                          default_temperature=default_temperature, served_model_name=served_model_name,
-                         queue_timeout=queue_timeout, log_level=log_level, generation_config=generation_config,
+                         queue_timeout=queue_timeout, log_level=logconfig.current()[0], generation_config=generation_config,
                          max_model_len=max_model_len, tool_call_parser=tool_call_parser,
                          reasoning_parser=reasoning_parser)
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
@@ -409,7 +437,7 @@ def calibrate_sinkrouter(
     try:
         from cotserve.engine.native import NativeEngine
         from cotserve.models import load_model
-        from cotserve.policies.sinkrouter_calibration import calibrate, check_args, write_calibration
+        from cotserve.sinkrouter_calibration import calibrate, check_args, write_calibration
 
         try:
             targets = [float(t) for t in target_skip.split(",") if t.strip()]

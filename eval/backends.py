@@ -126,7 +126,7 @@ class EndpointBackend:
         try:
             import openai
         except ImportError:
-            raise CotserveError("endpoint mode needs the openai package (pip install 'cotserve[clients]')") from None
+            raise CotserveError("endpoint mode needs the openai package (pip install 'cotserve[eval]')") from None
         base = url.rstrip("/")
         if not base.endswith("/v1"):
             base += "/v1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import sys
 from pathlib import Path
@@ -12,6 +13,15 @@ from cotserve.eval.loaders import parse_suites
 from cotserve.eval.runner import EvalConfig, parse_variants, run_eval
 from cotserve.eval.sandbox import Limits
 
+EVAL_EXTRA = ("math_verify", "matplotlib")  # the `eval` extra's packages that every run needs
+
+
+def require_eval_extra() -> None:
+    """One clear error, before any work, when the `eval` extra is not installed."""
+    missing = [name for name in EVAL_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CotserveError(f"cotserve eval needs {', '.join(missing)}: pip install 'cotserve[eval]'")
+
 
 def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint: str | None, api_key: str | None,
                  model: str | None, policy: str, policy_opt: list[str] | None, policy_file: str | None,
@@ -21,6 +31,7 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
     from cotserve.data import data_dir as find_data_dir
     from cotserve.policies.registry import parse_options
 
+    require_eval_extra()
     if api not in ("chat", "completions"):
         raise CotserveError(f"--api must be chat or completions, not {api!r}")
     if api != "chat" and not endpoint:

@@ -24,7 +24,7 @@ from cotserve.policies.sinkrouter import (
     sinkrouter_decode,
     sinkrouter_decode_reference,
 )
-from cotserve.policies.sinkrouter_calibration import average_precision, fit_platt
+from cotserve.sinkrouter_calibration import average_precision, fit_platt
 
 LAYERS, HQ, HKV, D = 4, 6, 3, 16
 

@@ -23,7 +23,7 @@ from cotserve.policies.sinkrouter import (
     platt,
     sinkrouter_decode_reference,
 )
-from cotserve.policies.sinkrouter_calibration import calibrate, write_calibration
+from cotserve.sinkrouter_calibration import calibrate, write_calibration
 
 LENGTHS = [96, 192]
 STEPS = 6

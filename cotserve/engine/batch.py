@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cotserve.engine.cache import KVCache
-from cotserve.policies.base import PolicyStack
+
+if TYPE_CHECKING:  # the engine hands the stack through; it never needs the policies' module
+    from cotserve.policies.base import PolicyStack
 
 
 @dataclass

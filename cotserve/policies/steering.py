@@ -131,7 +131,7 @@ def load_vector(path: str | Path) -> SteeringVector:
 
 def resolve_vector(config: SteeringConfig, model_name: str) -> SteeringVector:
     """The configured vector file, else the shipped one for the model's slug."""
-    from cotserve.models import model_slug
+    from cotserve.model_names import model_slug
 
     if config.vector:
         return load_vector(config.vector)

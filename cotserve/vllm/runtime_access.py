@@ -57,15 +57,10 @@ def current() -> Access | None:
 
 
 def make_paged(layer, block_size: int, dtype: torch.dtype):
-    from vllm.platforms import current_platform
+    """The CPU cache reader (this runtime serves the CPU backend; CUDA has `graph_sfi`)."""
+    from cotserve.vllm.cpu_paged import CPUPagedKV, key_layout
 
-    if current_platform.is_cpu():
-        from cotserve.vllm.cpu_backend import CPUPagedKV, key_layout
-
-        return CPUPagedKV(block_size, key_layout(layer.isa, dtype, layer.impl.head_size))
-    from cotserve.vllm.cuda_paged import CUDAPagedKV
-
-    return CUDAPagedKV(block_size)
+    return CPUPagedKV(block_size, key_layout(layer.isa, dtype, layer.impl.head_size))
 
 
 def runtime_for(vllm_config, layer_names: list[str], device: torch.device) -> Access | None:

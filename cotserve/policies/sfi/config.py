@@ -1,5 +1,5 @@
 """SFI's knobs. Every field is a `--policy-opt sfi.NAME=VALUE` (or a YAML/JSON key, or a
-per-request option). README section "SFI" lists each default and where it comes from."""
+per-request option). docs/policies/sfi.md gives each default and where it comes from."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ COMPACT_DTYPES = ("auto", "cache", "bfloat16")
 
 @dataclass
 class SFIConfig(PolicyConfig):
-    # memory layout (issue 3 / paper defaults)
+    # memory layout (the method's defaults)
     sinks: int = 4  # first entries always read (attention sinks)
     recent: int = 256  # most recent entries, read in place from the main cache
     k: int = 2048  # selected entries per KV head (capped by what exists)
@@ -46,7 +46,7 @@ class SFIConfig(PolicyConfig):
     dense_heads: float = 0.08  # at most this fraction of a sequence's KV heads (all layers) take the fallback read
     dense_min: float = 0.01  # ... and only heads whose support_instability exceeds this
     dense_budget: int = 1024  # entries a fallback head reads per step by Quest page bounds (0 = all)
-    dense_page: int = 4  # page size of those bounds (Quest uses 16; see README for the choice)
+    dense_page: int = 4  # page size of those bounds (Quest uses 16; 4 kept top-1 >= 0.95 under bf16w)
     # fast-step implementation (ours; results equal up to float rounding)
     kernel: str = "auto"  # auto: the C++ CPU kernel (kernels/cpu_decode.cpp) on a CPU with a float32 cache, where it builds | torch
     compact_dtype: str = "auto"  # auto: bfloat16 under the kernel with bf16 weights (bf16w), else cache | cache | bfloat16

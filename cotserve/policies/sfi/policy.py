@@ -104,7 +104,7 @@ def _compact_dtype(cfg: SFIConfig, cache_dtype: torch.dtype, weight_dtype: torch
     the model's linear weights are bf16 (`--dtype bf16w`), whose v_proj outputs are bf16 numbers
     already (so are the cached values, unless v_proj adds a float32 bias, as Qwen2's does); keys,
     sinks included, are rounded after RoPE (relative error 2^-9 per element). Else the cache's
-    dtype. The fidelity bench checks what this costs ("SFI measurements" in the README)."""
+    dtype. The fidelity bench checks what this costs (docs/results/2026-11-29-sfi.md)."""
     if cfg.compact_dtype == "bfloat16" and not kernel:
         log.warning("sfi: compact_dtype=bfloat16 needs the CPU kernel; the compact buffers keep %s", cache_dtype)
     if not kernel or cfg.compact_dtype == "cache":

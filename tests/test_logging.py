@@ -1,0 +1,114 @@
+"""Logging: one configuration for cotserve and uvicorn, the CLI's switches, one line per request."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from cotserve import __version__, logconfig
+
+
+@pytest.fixture
+def restore_loggers():
+    saved = {n: (logging.getLogger(n).level, logging.getLogger(n).propagate, list(logging.getLogger(n).handlers))
+             for n in logconfig.LOGGERS}
+    current = list(logconfig._current)
+    yield
+    for name, (level, propagate, handlers) in saved.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.handlers[:] = handlers
+    logconfig._current[:] = current
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "cotserve.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_text_format_one_line_with_utc_time_level_and_logger(restore_loggers):
+    out = io.StringIO()
+    logconfig.configure("info", "text", stream=out)
+    logging.getLogger("cotserve.worker").info("hello %s", "there")
+    logging.getLogger("cotserve.worker").debug("not shown at info")
+    logging.getLogger("uvicorn.error").info("uvicorn too")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith(" INFO cotserve.worker: hello there")
+    assert lines[0][:4].isdigit() and lines[0].split(" ")[0].endswith("Z")
+    assert lines[1].endswith(" INFO uvicorn.error: uvicorn too")
+
+
+def test_json_format_carries_extra_fields(restore_loggers):
+    out = io.StringIO()
+    logconfig.configure("debug", "json", stream=out)
+    logging.getLogger("cotserve.requests").debug("done", extra={"request_id": "r1", "generated_tokens": 7})
+    logging.getLogger("uvicorn.error").info("up", extra={"color_message": "\x1b[1mup\x1b[0m"})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("cotserve").exception("failed")
+    first, uvicorn, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert uvicorn == {"time": uvicorn["time"], "level": "INFO", "logger": "uvicorn.error", "message": "up"}
+    assert first["logger"] == "cotserve.requests" and first["level"] == "DEBUG" and first["message"] == "done"
+    assert first["request_id"] == "r1" and first["generated_tokens"] == 7 and first["time"].endswith("Z")
+    assert "ValueError: boom" in second["exc_info"]
+
+
+def test_level_and_format_from_the_environment(monkeypatch):
+    monkeypatch.setenv("COTSERVE_LOG_LEVEL", "WARNING")
+    monkeypatch.setenv("COTSERVE_LOG_FORMAT", "json")
+    assert logconfig.resolve() == ("warning", "json")
+    assert logconfig.resolve("debug", "text") == ("debug", "text")  # the switches win
+    with pytest.raises(ValueError, match="use one of debug, info"):
+        logconfig.resolve("loud")
+    with pytest.raises(ValueError, match="use one of text, json"):
+        logconfig.resolve(None, "xml")
+
+
+def test_cli_version_and_bad_log_level():
+    proc = _cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"cotserve {__version__}"
+    proc = _cli("--log-level", "loud", "generate", "hi")
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: log level 'loud'")
+    assert "Traceback" not in proc.stderr
+    proc = _cli("generate", "hi", env={"COTSERVE_LOG_FORMAT": "yaml"})
+    assert proc.returncode == 2 and "log format 'yaml'" in proc.stderr
+
+
+def test_one_line_per_finished_request(engine, caplog):
+    from cotserve.queue import InProcessQueue, Job
+    from cotserve.worker import Worker
+
+    queue = InProcessQueue()
+    prompt = engine.encode_prompt("Count from one to five.")
+    jobs = [Job(prompt_ids=prompt, sampling={"max_tokens": n, "temperature": 0.0}) for n in (3, 5)]
+    bad = Job(prompt_ids=prompt, sampling={"max_tokens": 3}, policy="no_such_policy")
+    for job in (*jobs, bad):
+        asyncio.run(queue.submit(job, 100))
+    worker = Worker(engine, queue, worker_id="w-log", max_batch=4, max_wait=0.0)
+    with caplog.at_level(logging.INFO, logger="cotserve.requests"):
+        thread = threading.Thread(target=lambda: [worker.run_once() for _ in range(4)])
+        thread.start()
+        thread.join(timeout=300)
+    records = [r for r in caplog.records if r.name == "cotserve.requests"]
+    by_id = {r.request_id: r for r in records}
+    assert len(records) == 3 and set(by_id) == {j.id for j in (*jobs, bad)}
+    for job, n in zip(jobs, (3, 5), strict=True):
+        r = by_id[job.id]
+        assert r.policy == "dense" and r.prompt_tokens == len(prompt) and r.generated_tokens == n
+        assert r.finish_reason == "length" and r.worker == "w-log" and r.attempt == 1
+        assert 0 < r.ttft_s < 300 and r.queue_wait_s >= 0
+        assert f"request_id={job.id}" in r.getMessage() and f"generated_tokens={n}" in r.getMessage()
+    failed = by_id[bad.id]
+    assert failed.finish_reason == "error" and failed.status == 400 and failed.generated_tokens == 0
