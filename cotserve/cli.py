@@ -89,9 +89,15 @@ def generate(
         typer.echo("telemetry: " + " ".join(f"{k}={v}" for k, v in extra.items()), err=True)
 
 
+RandomTokensOpt = Annotated[bool, typer.Option("--random-tokens", help="Run on a fixed-seed random token stream "
+                                               "instead of real text (speed only; without it a missing text "
+                                               "file is an error). The JSON's text_source says which.")]
+
+
 @bench_app.command("decode")
 def bench_decode(
-    policy: Annotated[str, typer.Option(help="Comma-separated policies to compare, e.g. dense,sfi.")] = "dense",
+    policy: Annotated[str, typer.Option(help="Comma-separated rows to compare, e.g. dense,sfi; a row may carry "
+                                        "its own options: 'dense[kernel=torch]'.")] = "dense",
     context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 2048,
     batch: Annotated[int, typer.Option(help="Sequences per batch.")] = 1,
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 64,
@@ -103,6 +109,7 @@ def bench_decode(
                                                   "(a drift of machine speed hits all alike); --no-interleave "
                                                   "runs one policy after the other.")] = True,
     data_dir: Annotated[str | None, typer.Option(help="Dataset folder for prompt text ($COTSERVE_DATA_DIR).")] = None,
+    random_tokens: RandomTokensOpt = False,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -112,9 +119,10 @@ def bench_decode(
         from cotserve.bench.decode import run_decode_bench
 
         report = run_decode_bench(
-            policies=[p.strip() for p in policy.split(",") if p.strip()], context=context, batch=batch,
+            policies=[policy], context=context, batch=batch,
             new_tokens=new_tokens, policy_opt=policy_opt, policy_file=policy_file, model=model,
             hf_baseline=hf_baseline, data_dir=data_dir, device=device, dtype=dtype, interleave=interleave,
+            random_tokens=random_tokens,
         )
     except CotserveError as exc:
         fail(str(exc))
