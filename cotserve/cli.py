@@ -132,7 +132,8 @@ def bench_decode(
 
 @bench_app.command("fidelity")
 def bench_fidelity(
-    policy: Annotated[str, typer.Option(help="Comma-separated policies to compare with dense.")] = "dense",
+    policy: Annotated[str, typer.Option(help="Comma-separated rows to compare with dense; a row may carry its "
+                                        "own options: 'sfi[dense_heads=0.08]'.")] = "dense",
     context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 4096,
     steps: Annotated[int, typer.Option(help="Decode steps compared (teacher-forced).")] = 256,
     batch: Annotated[int, typer.Option(help="Prompts (sequences) compared.")] = 1,
@@ -140,6 +141,7 @@ def bench_fidelity(
     policy_file: PolicyFileOpt = None,
     model: ModelOpt = "smollm2-135m-instruct",
     data_dir: Annotated[str | None, typer.Option(help="Dataset folder for prompt text ($COTSERVE_DATA_DIR).")] = None,
+    random_tokens: RandomTokensOpt = False,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -151,9 +153,9 @@ def bench_fidelity(
         from cotserve.bench.fidelity import run_fidelity_bench
 
         report = run_fidelity_bench(
-            policies=[p.strip() for p in policy.split(",") if p.strip()], context=context, steps=steps,
+            policies=[policy], context=context, steps=steps,
             batch=batch, policy_opt=policy_opt, policy_file=policy_file, model=model, data_dir=data_dir,
-            device=device, dtype=dtype, forced_mode=forced,
+            device=device, dtype=dtype, forced_mode=forced, random_tokens=random_tokens,
         )
     except CotserveError as exc:
         fail(str(exc))
@@ -337,6 +339,10 @@ def calibrate_sinkrouter(
     first_layers: Annotated[int, typer.Option(help="Layers never routed (excluded from the fit).")] = 2,
     score: Annotated[str, typer.Option(help="Routing score, or auto (the best AUPRC).")] = "auto",
     platt: Annotated[bool, typer.Option(help="Per-(layer, group) Platt scaling of the score before the threshold.")] = True,
+    holdout: Annotated[bool, typer.Option(help="Also decode held-out text and report there the AUPRC of the raw "
+                                               "score, a constant per-group base rate and the Platt-scaled score "
+                                               "(doubles the run).")] = True,
+    random_tokens: RandomTokensOpt = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
 ) -> None:
@@ -357,6 +363,7 @@ def calibrate_sinkrouter(
         engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=max(1, prompts))
         report, _ = calibrate(engine, lens, steps, prompts, targets, gamma=gamma, regime=regime,
                               first_layers=first_layers, score=score, use_platt=platt, data_dir=data_dir,
+                              random_tokens=random_tokens, holdout=holdout,
                               log=lambda m: typer.echo(m, err=True))
         report["command"] = "cotserve calibrate sinkrouter " + " ".join(sys.argv[3:] if len(sys.argv) > 3 else [])
         write_calibration(report, out)

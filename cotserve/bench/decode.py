@@ -66,6 +66,7 @@ def _row(policy: str, prefill_s: float, decode_s: float, results: list, skip: tu
         "kv_bytes_per_seq_after_prefill": max(t["kv_bytes_after_prefill"] for t in tele),
         "kv_bytes_per_seq_peak_decode": max(t["kv_bytes_peak"] for t in tele),
         "kv_bytes_per_seq_end": max(t["kv_bytes_final"] for t in tele),
+        "kv_bytes_per_seq_allocated": max(t["kv_bytes_allocated"] for t in tele),
         "peak_rss_mb": round(_peak_rss_mb(), 1),  # the process's (interleaved: all policies' caches)
     }
     for key, val in tele[0].items():

@@ -31,15 +31,16 @@ class TextSource:
 
 
 def long_prompts_with_source(tokenizer, context: int, batch: int, data_dir: str | None = None, seed: int = 0,
-                             random_tokens: bool = False) -> tuple[list[list[int]], TextSource]:
+                             random_tokens: bool = False, offset: int = 0) -> tuple[list[list[int]], TextSource]:
     """`batch` prompts of exactly `context` tokens each, from different parts of the text, and
     where they came from. `random_tokens=True` uses a fixed-seed random token stream instead of
-    text (never mixed with text); without it, missing or too little text is an error."""
-    need = context * batch + 16
+    text (never mixed with text); without it, missing or too little text is an error. `offset`:
+    tokens of the text (or stream) skipped first (e.g. held-out text after a fit's text)."""
+    need = offset + context * batch + 16
     if random_tokens:
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(100, tokenizer.vocab_size - 1, (need,), generator=gen).tolist()
-        return _cut(ids, context, batch), TextSource("random_tokens", None, need)
+        return _cut(ids[offset:], context, batch), TextSource("random_tokens", None, need)
     root = find_data_dir(data_dir, required=False)
     path: Path | None = root / TEXT_FILE if root else None
     if path is None or not path.is_file():
@@ -55,13 +56,13 @@ def long_prompts_with_source(tokenizer, context: int, batch: int, data_dir: str 
     if len(ids) < need:
         raise CotserveError(f"{path} holds {len(ids)} tokens of text, fewer than the {need} asked for "
                             f"({batch} x {context}); use fewer or shorter prompts, or --random-tokens")
-    return _cut(ids, context, batch), TextSource("text", str(path), need)
+    return _cut(ids[offset:], context, batch), TextSource("text", str(path), need)
 
 
 def long_prompts(tokenizer, context: int, batch: int, data_dir: str | None = None, seed: int = 0,
-                 random_tokens: bool = False) -> list[list[int]]:
+                 random_tokens: bool = False, offset: int = 0) -> list[list[int]]:
     """`long_prompts_with_source` without the source."""
-    return long_prompts_with_source(tokenizer, context, batch, data_dir, seed, random_tokens)[0]
+    return long_prompts_with_source(tokenizer, context, batch, data_dir, seed, random_tokens, offset)[0]
 
 
 def _cut(ids: list[int], context: int, batch: int) -> list[list[int]]:

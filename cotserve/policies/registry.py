@@ -21,7 +21,7 @@ REGISTRY: dict[str, type[Policy]] = {}
 
 # Options that name files on the server: settable with `serve --policy-opt` / `--policy-file`,
 # refused in a request's `cotserve.options` (a client must not point the server at its files).
-SERVER_ONLY_OPTIONS = frozenset({"calibration", "vector"})
+SERVER_ONLY_OPTIONS = frozenset({"calibration", "vector", "thought_rules"})
 
 
 def server_only_keys(options: dict[str, Any]) -> list[str]:
