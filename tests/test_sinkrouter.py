@@ -233,16 +233,47 @@ def test_refuses_without_calibration_and_names_the_command(tmp_path):
         make_batch(wrong)
 
 
-def test_shipped_calibration_for_bundled_model_loads():
-    from cotserve.policies.sinkrouter import shipped_calibration
+def test_shipped_calibration_matches_the_bundled_model_and_is_refused_elsewhere():
+    """The shipped file passes the policy's own check for the bundled model, and the same check
+    refuses it for other layer counts, another model or other first layers. (Whether its tau
+    realises the target skip on text it was not fitted on: test_sinkrouter_engine.)"""
+    from cotserve.policies.sinkrouter import check_calibration, shipped_calibration
 
-    path = shipped_calibration("smollm2-135m-instruct")
-    cal = Calibration.load(path)
-    assert cal.num_layers == 30 and cal.num_kv_heads == 3
-    for t in (0.4, 0.6):
-        fit = cal.raw["fits"][str(t)]
-        assert abs(fit["realised_skip"] - t) <= 0.05
-        cal.tau(t)
+    cal = Calibration.load(shipped_calibration("smollm2-135m-instruct"))
+    check_calibration(cal, "smollm2-135m-instruct", 30, 3, cal.first_layers)
+    for args, msg in [(("smollm2-135m-instruct", 24, 3, cal.first_layers), "30 layers"),
+                      (("qwen2.5-0.5b-instruct", 30, 3, cal.first_layers), "was made for model"),
+                      (("smollm2-135m-instruct", 30, 3, cal.first_layers + 1), "first_layers")]:
+        with pytest.raises(PolicyError, match=msg):
+            check_calibration(cal, *args)
+
+
+def test_policy_refuses_a_calibration_fitted_with_other_first_layers(tmp_path):
+    """The latent bug: a file fitted with first_layers=2 loaded into first_layers=0 would give the
+    never-fitted layers 0-1 P(sink)=0.5 (Platt a=b=0), above tau: every group skipped."""
+    path = _write_cal(tmp_path / "c.json", first_layers=2)
+    make_batch(SinkRouterPolicy(SinkRouterConfig(calibration=str(path), first_layers=2)))
+    for fl in (0, 3):
+        with pytest.raises(PolicyError, match="first_layers"):
+            make_batch(SinkRouterPolicy(SinkRouterConfig(calibration=str(path), first_layers=fl)))
+    other = _write_cal(tmp_path / "o.json", model="another-model")
+    with pytest.raises(PolicyError, match="was made for model"):
+        make_batch(SinkRouterPolicy(SinkRouterConfig(calibration=str(other))))
+
+
+def test_average_precision_counts_ties_as_one_block_and_a_constant_gets_the_base_rate():
+    y = np.array([1, 0, 0, 1, 0, 0, 0, 0])
+    assert average_precision(np.zeros(8), y) == pytest.approx(0.25)  # no tie order flatters it
+    # a positive tied with negatives gets the precision at the end of its block
+    assert average_precision(np.array([2.0, 1.0, 1.0, 0.0]), np.array([0, 1, 0, 1])) == pytest.approx(
+        (1 / 3 + 2 / 4) / 2)
+    from cotserve.policies.sinkrouter_calibration import group_base_rate
+
+    layer = np.array([0, 0, 1, 1, 1, 1])
+    group = np.zeros(6, dtype=int)
+    labels = np.array([1, 0, 0, 0, 0, 1])
+    rate = group_base_rate(labels, layer, group, 2, 1)
+    assert rate[:, 0].tolist() == [0.5, 0.25]
 
 
 def test_average_precision_and_platt_on_synthetic_data():
