@@ -82,7 +82,36 @@ def make_batch(policy: SinkRouterPolicy, lens=(11, 7), seed=0, cache_cls=Recordi
 
 
 def fixed_tau_policy(tau: float, **kw) -> SinkRouterPolicy:
-    return SinkRouterPolicy(SinkRouterConfig(tau=tau, **kw))
+    """The torch paths (the read-skipping fast path these tests watch); `kernel` overrides."""
+    return SinkRouterPolicy(SinkRouterConfig(tau=tau, **{"kernel": "torch", **kw}))
+
+
+def test_kernel_path_matches_reference_and_is_dense_when_nothing_is_skipped():
+    """kernel=auto on a CPU: few sink groups -> the dense C++ kernel for all groups, sink groups
+    overwritten; none -> exactly `dense`'s kernel step; many -> the read-skipping path. All equal
+    the plain reference."""
+    from cotserve.kernels import cpu_decode
+    from cotserve.policies.dense import kernel_dense_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(7)
+    policy = fixed_tau_policy(0.0, kernel="auto")
+    batch = make_batch(policy, lens=(11, 7, 9), seed=2)
+    assert policy.kernel
+    for layer in range(LAYERS):
+        q = torch.randn(batch.batch_size, HQ, 1, D, generator=g)
+        score = routing_score("logit_min", q, policy.anchor_k[layer], batch.scaling)
+        k, v, valid = batch.cache.view(layer)
+        flat = score.flatten().sort().values
+        for tau in (math.inf, float(flat[-2]), float(flat[0])):  # none, 2 of 9, all skipped
+            policy.cfg.tau = tau
+            skip = score >= tau if layer >= 2 else torch.zeros_like(score, dtype=torch.bool)
+            out = policy.decode_attention(layer, q, batch)
+            ref = sinkrouter_decode_reference(q, k, v, valid, skip, batch.scaling)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            if not skip.any():
+                assert torch.equal(out, kernel_dense_decode(q, batch, layer))
 
 
 def test_fast_path_matches_reference_on_random_inputs():

@@ -296,6 +296,9 @@ class SinkRouterConfig(PolicyConfig):
     surrogate: "zero" (paper) or "anchor_value" (public reference implementation).
     tau: a fixed threshold for every L instead of the calibrated tau(L) (nan = calibrated); with
          it, `score` picks the score (no file needed).
+    kernel: "auto": on a CPU with a float32 cache, unrouted layers and layers with few sink
+            groups run `dense`'s C++ kernel (KERNEL_SKIP_CUTOFF) | "torch": the torch paths only
+            (the first layers then take the engine's default step).
     """
 
     calibration: str = ""
@@ -304,8 +307,11 @@ class SinkRouterConfig(PolicyConfig):
     surrogate: str = "zero"
     tau: float = float("nan")
     score: str = "logit_min"
+    kernel: str = "auto"
 
     def validate(self) -> None:
+        if self.kernel not in ("auto", "torch"):
+            raise ValueError(f"kernel must be 'auto' or 'torch', got {self.kernel!r}")
         if self.surrogate not in ("zero", "anchor_value"):
             raise ValueError(f"surrogate must be 'zero' or 'anchor_value', got {self.surrogate!r}")
         if self.first_layers < 0:
@@ -362,8 +368,8 @@ class SinkRouterPolicy(Policy):
         if self.calibration is not None:
             check_calibration(self.calibration, info.model_name, info.num_layers, info.num_kv_heads,
                               self.cfg.first_layers)
-        self.kernel = (batch.cache.device.type == "cpu" and batch.cache.k.dtype == torch.float32
-                       and cpu_decode.available())
+        self.kernel = (self.cfg.kernel == "auto" and batch.cache.device.type == "cpu"
+                       and batch.cache.k.dtype == torch.float32 and cpu_decode.available())
         bsz, dev = batch.batch_size, batch.cache.device
         shape = (info.num_layers, bsz, info.num_kv_heads, info.head_dim)
         self.anchor_k = torch.zeros(shape, dtype=batch.cache.k.dtype, device=dev)
@@ -394,7 +400,11 @@ class SinkRouterPolicy(Policy):
         return score >= tau.unsqueeze(1)
 
     def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor | None:
-        if layer < self.cfg.first_layers:
+        if layer < self.cfg.first_layers:  # never routed: `dense`'s step
+            if self.kernel:
+                from cotserve.policies.dense import kernel_dense_decode
+
+                return kernel_dense_decode(q, batch, layer)
             return None
         skip = self.route(layer, q, batch)
         active = batch.active if batch.active is not None else torch.ones_like(skip[:, 0])
