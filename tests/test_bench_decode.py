@@ -64,7 +64,7 @@ def test_bench_decode_reports_ratios_against_the_kernel_dense_and_eviction_peaks
     bound it compacts back to), while its allocation is what it asked the engine for."""
     from cotserve.bench.decode import run_decode_bench
 
-    rep = run_decode_bench(["h2o[budget=48,interval=8,window=4],dense[kernel=torch],dense"], context=64, batch=2,
+    rep = run_decode_bench(["rkv[budget=48,interval=8,window=4],dense[kernel=torch],dense"], context=64, batch=2,
                            new_tokens=17, policy_opt=None, policy_file=None, model="smollm2-135m-instruct",
                            hf_baseline=False, data_dir=str(data_dir), device="cpu", dtype="float32")
     rows = {r["row"]: r for r in rep["results"]}
@@ -75,10 +75,10 @@ def test_bench_decode_reports_ratios_against_the_kernel_dense_and_eviction_peaks
     assert rows["dense[kernel=torch]"]["implementation"] == {"dense_step": "torch"}
     info = engine.info
     per_entry = 2 * info.num_kv_heads * info.head_dim * 4 * info.num_layers
-    h2o = rows["h2o[budget=48,interval=8,window=4]"]
+    ev = rows["rkv[budget=48,interval=8,window=4]"]
     # prompt of 64 > budget: the prefill peak is the whole prompt, before the prefill compaction
-    assert h2o["kv_bytes_per_seq_peak_decode"] == 64 * per_entry
-    assert h2o["kv_bytes_per_seq_after_prefill"] == 48 * per_entry
+    assert ev["kv_bytes_per_seq_peak_decode"] == 64 * per_entry
+    assert ev["kv_bytes_per_seq_after_prefill"] == 48 * per_entry
     # allocation: max(prompt, budget + interval) entries (the prompt is written before it is compacted)
-    assert h2o["kv_bytes_per_seq_allocated"] == 64 * per_entry
-    assert h2o["telemetry"]["kv_entries_peak"] == 64
+    assert ev["kv_bytes_per_seq_allocated"] == 64 * per_entry
+    assert ev["telemetry"]["kv_entries_peak"] == 64 and ev["telemetry"]["kv_entries_allocated"] == 64
