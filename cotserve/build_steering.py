@@ -44,13 +44,14 @@ import torch
 import cotserve
 from cotserve.errors import CotserveError
 from cotserve.policies.steering import ThoughtFollower, save_vector, vector_path
-from cotserve.policies.thoughts import (
+from cotserve.policies.thoughts import (  # noqa: F401 (load_rules: this module's public name too)
     DEFAULT_RULES,
     EXECUTION,
     REFLECTION,
     TRANSITION,
     ThoughtRules,
     blank_line_thoughts,
+    load_rules,
 )
 
 DEFAULT_PROMPT = (
@@ -188,41 +189,6 @@ def _load_sample(path: Path) -> tuple[torch.Tensor, list[str]]:
 
     t = load_file(str(path))
     return t["hidden"], [_CLASS_NAMES[int(c)] for c in t["classes"]]
-
-
-def load_rules(path: str | None) -> ThoughtRules:
-    """Classification rules from a YAML/JSON file {reflection: [regex, ...], transition: [...]};
-    a missing key keeps the default list. None gives the defaults."""
-    import re
-
-    if not path:
-        return DEFAULT_RULES
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise CotserveError(f"rules file {p} does not exist")
-    try:
-        if p.suffix.lower() == ".json":
-            data = json.loads(p.read_text())
-        else:
-            import yaml
-
-            data = yaml.safe_load(p.read_text())
-    except Exception as exc:
-        raise CotserveError(f"cannot parse rules file {p}: {exc}") from exc
-    if not isinstance(data, dict) or set(data) - {"reflection", "transition"}:
-        raise CotserveError(f"rules file {p} must map 'reflection' and/or 'transition' to lists of regular expressions")
-    out = {}
-    for key in ("reflection", "transition"):
-        pats = data.get(key, list(getattr(DEFAULT_RULES, key)))
-        if not isinstance(pats, list) or not all(isinstance(x, str) for x in pats):
-            raise CotserveError(f"rules file {p}: {key!r} must be a list of strings")
-        for x in pats:
-            try:
-                re.compile(x)
-            except re.error as exc:
-                raise CotserveError(f"rules file {p}: bad regular expression {x!r}: {exc}") from exc
-        out[key] = tuple(pats)
-    return ThoughtRules(**out)
 
 
 def build_steering(cfg: BuildConfig, command: str = "", progress: bool = True, loaded=None) -> dict[str, Any]:

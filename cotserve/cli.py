@@ -112,9 +112,15 @@ def generate(
         typer.echo("telemetry: " + " ".join(f"{k}={v}" for k, v in extra.items()), err=True)
 
 
+RandomTokensOpt = Annotated[bool, typer.Option("--random-tokens", help="Run on a fixed-seed random token stream "
+                                               "instead of real text (speed only; without it a missing text "
+                                               "file is an error). The JSON's text_source says which.")]
+
+
 @bench_app.command("decode")
 def bench_decode(
-    policy: Annotated[str, typer.Option(help="Comma-separated policies to compare, e.g. dense,sfi.")] = "dense",
+    policy: Annotated[str, typer.Option(help="Comma-separated rows to compare, e.g. dense,sfi; a row may carry "
+                                        "its own options: 'dense[kernel=torch]'.")] = "dense",
     context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 2048,
     batch: Annotated[int, typer.Option(help="Sequences per batch.")] = 1,
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 64,
@@ -126,6 +132,7 @@ def bench_decode(
                                                   "(a drift of machine speed hits all alike); --no-interleave "
                                                   "runs one policy after the other.")] = True,
     data_dir: Annotated[str | None, typer.Option(help="Dataset folder for prompt text ($COTSERVE_DATA_DIR).")] = None,
+    random_tokens: RandomTokensOpt = False,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -159,9 +166,10 @@ def bench_decode(
         from cotserve.bench.decode import run_decode_bench
 
         report = run_decode_bench(
-            policies=[p.strip() for p in policy.split(",") if p.strip()], context=context, batch=batch,
+            policies=[policy], context=context, batch=batch,
             new_tokens=new_tokens, policy_opt=policy_opt, policy_file=policy_file, model=model,
             hf_baseline=hf_baseline, data_dir=data_dir, device=device, dtype=dtype, interleave=interleave,
+            random_tokens=random_tokens,
         )
     except CotserveError as exc:
         fail(str(exc))
@@ -171,7 +179,8 @@ def bench_decode(
 
 @bench_app.command("fidelity")
 def bench_fidelity(
-    policy: Annotated[str, typer.Option(help="Comma-separated policies to compare with dense.")] = "dense",
+    policy: Annotated[str, typer.Option(help="Comma-separated rows to compare with dense; a row may carry its "
+                                        "own options: 'sfi[dense_heads=0.08]'.")] = "dense",
     context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 4096,
     steps: Annotated[int, typer.Option(help="Decode steps compared (teacher-forced).")] = 256,
     batch: Annotated[int, typer.Option(help="Prompts (sequences) compared.")] = 1,
@@ -179,6 +188,7 @@ def bench_fidelity(
     policy_file: PolicyFileOpt = None,
     model: ModelOpt = "smollm2-135m-instruct",
     data_dir: Annotated[str | None, typer.Option(help="Dataset folder for prompt text ($COTSERVE_DATA_DIR).")] = None,
+    random_tokens: RandomTokensOpt = False,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -190,9 +200,9 @@ def bench_fidelity(
         from cotserve.bench.fidelity import run_fidelity_bench
 
         report = run_fidelity_bench(
-            policies=[p.strip() for p in policy.split(",") if p.strip()], context=context, steps=steps,
+            policies=[policy], context=context, steps=steps,
             batch=batch, policy_opt=policy_opt, policy_file=policy_file, model=model, data_dir=data_dir,
-            device=device, dtype=dtype, forced_mode=forced,
+            device=device, dtype=dtype, forced_mode=forced, random_tokens=random_tokens,
         )
     except CotserveError as exc:
         fail(str(exc))
@@ -429,6 +439,10 @@ def calibrate_sinkrouter(
     first_layers: Annotated[int, typer.Option(help="Layers never routed (excluded from the fit).")] = 2,
     score: Annotated[str, typer.Option(help="Routing score, or auto (the best AUPRC).")] = "auto",
     platt: Annotated[bool, typer.Option(help="Per-(layer, group) Platt scaling of the score before the threshold.")] = True,
+    holdout: Annotated[bool, typer.Option(help="Also decode held-out text and report there the AUPRC of the raw "
+                                               "score, a constant per-group base rate and the Platt-scaled score "
+                                               "(doubles the run).")] = True,
+    random_tokens: RandomTokensOpt = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
 ) -> None:
@@ -449,6 +463,7 @@ def calibrate_sinkrouter(
         engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=max(1, prompts))
         report, _ = calibrate(engine, lens, steps, prompts, targets, gamma=gamma, regime=regime,
                               first_layers=first_layers, score=score, use_platt=platt, data_dir=data_dir,
+                              random_tokens=random_tokens, holdout=holdout,
                               log=lambda m: typer.echo(m, err=True))
         report["command"] = "cotserve calibrate sinkrouter " + " ".join(sys.argv[3:] if len(sys.argv) > 3 else [])
         write_calibration(report, out)

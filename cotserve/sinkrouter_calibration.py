@@ -103,20 +103,73 @@ class Records:
 
 
 def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the precision-recall curve (average precision: mean of precision@k over the
-    positives, ranked by descending score)."""
+    """Area under the precision-recall curve (average precision: mean over the positives of the
+    precision at their rank, by descending score). Tied scores form one block: each positive in
+    it gets the precision at the block's end (so a constant score gets exactly the base rate,
+    and no tie order flatters a score)."""
     n_pos = int(labels.sum())
     if n_pos == 0:
         return float("nan")
     order = np.argsort(-scores, kind="stable")
-    hit = labels[order].astype(np.float64)
-    precision = np.cumsum(hit) / np.arange(1, len(hit) + 1)
-    return float((precision * hit).sum() / n_pos)
+    s, hit = scores[order], labels[order].astype(np.float64)
+    last = np.r_[s[1:] != s[:-1], True]  # the last record of each block of equal scores
+    ends = np.flatnonzero(last)
+    tp = np.cumsum(hit)[ends]
+    pos_in_block = np.diff(np.r_[0.0, tp])
+    precision = tp / (ends + 1)
+    return float((precision * pos_in_block).sum() / n_pos)
+
+
+def group_base_rate(labels: np.ndarray, layer: np.ndarray, group: np.ndarray, num_layers: int,
+                    num_groups: int) -> np.ndarray:
+    """The constant per-(layer, group) baseline: each group's fraction of sink records [L, G]
+    (no query information at all; NaN-free: 0 for groups without records)."""
+    rate = np.zeros((num_layers, num_groups))
+    for li in range(num_layers):
+        for gi in range(num_groups):
+            m = (layer == li) & (group == gi)
+            if m.any():
+                rate[li, gi] = labels[m].mean()
+    return rate
+
+
+def heldout_comparison(train: Records, test: Records, chosen: str, gamma: float, regime: str, num_layers: int,
+                       num_groups: int) -> dict[str, float]:
+    """AUPRC on held-out records (other text) of: the raw score, the constant per-group base rate
+    fitted on `train`, and the score after per-(layer, group) Platt scaling fitted on `train`."""
+    y_tr, y_te = train.labels(gamma, regime), test.labels(gamma, regime)
+    raw_tr, raw_te = train.score(chosen), test.score(chosen)
+    rate = group_base_rate(y_tr, train.layer, train.group, num_layers, num_groups)
+    a, b = fit_platt(raw_tr, y_tr, train.layer, train.group, num_layers, num_groups)
+    return {
+        "records": int(len(y_te)),
+        "sink_rate": round(float(y_te.mean()), 4),
+        chosen: round(average_precision(raw_te, y_te), 4),
+        "group_base_rate": round(average_precision(rate[test.layer, test.group], y_te), 4),
+        f"{chosen}+platt": round(average_precision(apply_platt(raw_te, test.layer, test.group, a, b), y_te), 4),
+    }
+
+
+def per_layer_signal(records: Records, chosen: str, gamma: float, regime: str) -> dict[str, dict[str, float]]:
+    """Per routable layer: mean attention mass on token 0 (over records and query heads), the
+    sink rate, and the raw score's AUPRC within the layer (why the signal is weak or strong)."""
+    y = records.labels(gamma, regime)
+    raw = records.score(chosen)
+    out = {}
+    for layer in sorted(set(records.layer.tolist())):
+        m = records.layer == layer
+        out[str(layer)] = {"mass_token0": round(float(records.mass[m].mean()), 4),
+                           "sink_rate": round(float(y[m].mean()), 4),
+                           "score_mean": round(float(raw[m].mean()), 4),
+                           "score_sd": round(float(raw[m].std()), 4),
+                           "auprc": round(average_precision(raw[m], y[m]), 4) if y[m].any() else None}
+    return out
 
 
 def collect(engine, lengths: list[int], steps: int, prompts: int, gamma: float, first_layers: int,
-            data_dir: str | None, log=None) -> Records:
-    """Dense decoding with the probe on every length; returns the routable layers' records."""
+            data_dir: str | None, log=None, random_tokens: bool = False, offset: int = 0) -> Records:
+    """Dense decoding with the probe on every length; returns the routable layers' records.
+    `offset`: text tokens skipped first (held-out records come from text after the fit's)."""
     from cotserve.bench.prompts import long_prompts
     from cotserve.engine.native import GenRequest
     from cotserve.engine.sampling import SamplingParams
@@ -130,7 +183,7 @@ def collect(engine, lengths: list[int], steps: int, prompts: int, gamma: float, 
     cols: dict[str, list[np.ndarray]] = {"run": [], "step": [], "ctx": [], "layer": [], "group": [], "scores": [], "mass": []}
     for i, n in enumerate(lengths):
         t0 = time.perf_counter()
-        texts = long_prompts(engine.tokenizer, n, prompts, data_dir)
+        texts = long_prompts(engine.tokenizer, n, prompts, data_dir, random_tokens=random_tokens, offset=offset)
         probe = SinkProbe(steps, gamma)
         reqs = [GenRequest(p, SamplingParams(max_tokens=steps + 1, ignore_eos=True)) for p in texts]
         for _ in engine.stream(reqs, PolicyStack([probe])):
@@ -237,14 +290,18 @@ def check_args(targets: list[float], lengths: list[int], regime: str, score: str
 
 def calibrate(engine, lengths: list[int], steps: int, prompts: int, targets: list[float], gamma: float = 0.65,
               regime: str = "all", first_layers: int = 2, score: str = "auto", use_platt: bool = True,
-              data_dir: str | None = None, log=None) -> tuple[dict[str, Any], Records]:
-    """Run the probe, score the candidates, fit tau(L) for every target. Returns (report, records)."""
+              data_dir: str | None = None, log=None, random_tokens: bool = False,
+              holdout: bool = True) -> tuple[dict[str, Any], Records]:
+    """Run the probe, score the candidates, fit tau(L) for every target. Returns (report, records).
+    `holdout`: also decode the same lengths on text after the fit's and report there the AUPRC of
+    the raw score, the constant per-group base rate and the Platt-scaled score, each fitted on the
+    fit's records only (`heldout_comparison`)."""
     check_args(targets, lengths, regime, score, steps)
     info = engine.info
     if not 0 <= first_layers < info.num_layers:
         raise CotserveError(f"--first-layers must be in [0, {info.num_layers - 1}]")
     lengths = sorted(set(lengths))
-    records = collect(engine, lengths, steps, prompts, gamma, first_layers, data_dir, log)
+    records = collect(engine, lengths, steps, prompts, gamma, first_layers, data_dir, log, random_tokens)
     labels = records.labels(gamma, regime)
     auprc = {n: round(average_precision(records.score(n), labels), 4) for n in SCORE_NAMES}
     chosen = score if score != "auto" else max(SCORE_NAMES, key=lambda n: np.nan_to_num(auprc[n], nan=-1.0))
@@ -266,6 +323,15 @@ def calibrate(engine, lengths: list[int], steps: int, prompts: int, targets: lis
         s = apply_platt(raw, records.layer, records.group, a, b)
         auprc[f"{chosen}+platt"] = round(average_precision(s, labels), 4)
         platt_out = {"a": a.round(6).tolist(), "b": b.round(6).tolist()}
+    heldout_text: dict[str, Any] = {}
+    if holdout:
+        offset = max(lengths) * prompts + 16  # past every prompt the fit read
+        test = collect(engine, lengths, steps, prompts, gamma, first_layers, data_dir, log, random_tokens, offset)
+        heldout_text = {"text_offset_tokens": offset,
+                        **heldout_comparison(records, test, chosen, gamma, regime, info.num_layers,
+                                             info.num_kv_heads)}
+    rate = group_base_rate(labels, records.layer, records.group, info.num_layers, info.num_kv_heads)
+    auprc["group_base_rate"] = round(average_precision(rate[records.layer, records.group], labels), 4)
     fits: dict[str, Any] = {}
     for t in targets:
         f = fit_tau(records, s, t, norm)
@@ -285,7 +351,10 @@ def calibrate(engine, lengths: list[int], steps: int, prompts: int, targets: lis
                           + ("q.k0 * scaling" if SCORES[chosen][0] == "logit" else "cos(q, k0)")
                           + (", then per-(layer, group) Platt scaling sigmoid(a*s+b)" if use_platt else "")),
         "auprc": auprc,
-        "auprc_heldout": auprc_heldout,
+        "auprc_heldout": auprc_heldout,  # later decode steps of the same texts
+        "auprc_heldout_text": heldout_text,  # other text: raw score vs per-group base rate vs Platt
+        "per_layer": per_layer_signal(records, chosen, gamma, regime),
+        "text": "random_tokens" if random_tokens else "text",
         "platt": platt_out,
         "gamma": gamma,
         "regime": regime,

@@ -2,9 +2,11 @@
 (`two_source_decode`) and the fallback heads' page reads (`page_bound_decode`). Built on first use
 (`make install` builds it) with torch's extension builder (g++ and ninja on PATH; about 30 s on
 the development machine), then cached under `$COTSERVE_CACHE_DIR/torch_extensions` (default
-`~/.cache/cotserve/torch_extensions`) in a folder named after the torch version and a fingerprint
+`~/.cache/cotserve/torch_extensions`) in a folder named after the torch version, a fingerprint
 of the CPU (its model and feature flags: an x86 build uses `-march=native`, so a cache shared
-with another CPU must not load it).
+with another CPU must not load it) and a hash of the source (text, path, flags), so checkouts
+of different code do not rebuild one shared module. A build lock older than 15 minutes (left by
+a killed build) is removed instead of waited on.
 
 The torch form of the same computation is `policies.sfi.attention.fast_attention` (several ops,
 each a pass over memory, and an intermediate logits tensor); the plain reference both are tested
@@ -39,18 +41,40 @@ def _build() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         cache = Path(os.environ.get("COTSERVE_CACHE_DIR", Path.home() / ".cache" / "cotserve"))
-        tag = f"torch{torch.__version__.replace('+', '_')}_{_cpu_fingerprint()}"
-        build = cache / "torch_extensions" / f"cpu_decode_{tag}"
-        build.mkdir(parents=True, exist_ok=True)
+        source = Path(__file__).with_suffix(".cpp")
         flags = ["-O3", "-fopenmp"]
         if platform.machine() in ("x86_64", "AMD64"):
             flags += ["-march=native", "-mprefer-vector-width=512"]
-        _module = load(name="cotserve_cpu_decode", sources=[str(Path(__file__).with_suffix(".cpp"))],
+        # one folder per source text and source path: checkouts of different code (or the same
+        # code at another path, which ninja sees as a new build) do not rebuild each other's module
+        src = hashlib.sha256(source.read_bytes() + str(source).encode() + " ".join(flags).encode()).hexdigest()[:12]
+        tag = f"torch{torch.__version__.replace('+', '_')}_{_cpu_fingerprint()}_{src}"
+        build = cache / "torch_extensions" / f"cpu_decode_{tag}"
+        build.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(build / "lock")
+        _module = load(name="cotserve_cpu_decode", sources=[str(source)],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as exc:  # no compiler, no headers: the torch path serves instead
         _failed = True
         log.warning("cotserve: the CPU decode kernel did not build (%s); using the torch path", exc)
     return _module
+
+
+STALE_LOCK_S = 900.0  # a build takes about 30 s; a lock this old was left by a killed build
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's extension builder waits, without limit, for its lock file to go; a build killed
+    mid-way (out of memory, a signal) leaves it behind, and every later process would hang."""
+    import time
+
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("cotserve: removing the stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _cpu_fingerprint() -> str:

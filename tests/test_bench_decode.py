@@ -31,7 +31,15 @@ def test_interleaved_decode_gives_each_policy_its_own_tokens_and_rows(engine):
 
     assert rows[1]["implementation"] == {"fast_step": "cpu_kernel" if cpu_decode.available() else "torch",
                                          "compact_dtype": "float32"}
-    assert "implementation" not in rows[0]
+    assert rows[0]["implementation"] == {"dense_step": "cpu_kernel" if cpu_decode.available() else "torch"}
+    # KV memory: allocated is the cache block a slot holds (capacity x layers x K/V), the peak the
+    # most entries filled; dense fills what it allocates up to the last step's unwritten entry
+    info = engine.info
+    per_entry = 2 * info.num_kv_heads * info.head_dim * 4 * info.num_layers
+    longest = max(len(p) for p in prompts)
+    assert rows[0]["kv_bytes_per_seq_allocated"] == (longest + 12 + 1) * per_entry
+    assert rows[0]["kv_bytes_per_seq_peak_decode"] == (longest + 11) * per_entry
+    assert rows[0]["kv_bytes_per_seq_after_prefill"] == longest * per_entry
     # the sequential form still works and counts the same tokens
     seq = time_native(engine, prompts, 12, "dense", {})
     assert seq["generated_tokens"] == rows[0]["generated_tokens"]
@@ -47,3 +55,30 @@ def test_transformers_baseline_times_its_decode_after_the_first_token(engine):
     row = time_hf_generate(engine, [p[:n] for p in prompts], 6)  # generate takes a rectangular batch
     assert row["policy"] == "transformers.generate" and row["generated_tokens"] == 12
     assert row["prefill_s"] > 0 and row["decode_s"] > 0 and row["decode_tok_s"] > 0
+
+
+def test_bench_decode_reports_ratios_against_the_kernel_dense_and_eviction_peaks(engine, data_dir):
+    """run_decode_bench end to end: the reference row is plain `dense` (whatever its position),
+    every ratio is decode tok/s over that row's, the text source is recorded, and an eviction
+    policy's peak counts the entries held BEFORE its compaction (one over the budget + interval
+    bound it compacts back to), while its allocation is what it asked the engine for."""
+    from cotserve.bench.decode import run_decode_bench
+
+    rep = run_decode_bench(["rkv[budget=48,interval=8,window=4],dense[kernel=torch],dense"], context=64, batch=2,
+                           new_tokens=17, policy_opt=None, policy_file=None, model="smollm2-135m-instruct",
+                           hf_baseline=False, data_dir=str(data_dir), device="cpu", dtype="float32")
+    rows = {r["row"]: r for r in rep["results"]}
+    assert rep["ratio_reference"] == "dense" and rep["text_source"]["kind"] == "text"
+    ref = rows["dense"]["decode_tok_s"]
+    for r in rows.values():
+        assert r["ratio_to_dense"] == round(r["decode_tok_s"] / ref, 3)
+    assert rows["dense[kernel=torch]"]["implementation"] == {"dense_step": "torch"}
+    info = engine.info
+    per_entry = 2 * info.num_kv_heads * info.head_dim * 4 * info.num_layers
+    ev = rows["rkv[budget=48,interval=8,window=4]"]
+    # prompt of 64 > budget: the prefill peak is the whole prompt, before the prefill compaction
+    assert ev["kv_bytes_per_seq_peak_decode"] == 64 * per_entry
+    assert ev["kv_bytes_per_seq_after_prefill"] == 48 * per_entry
+    # allocation: max(prompt, budget + interval) entries (the prompt is written before it is compacted)
+    assert ev["kv_bytes_per_seq_allocated"] == 64 * per_entry
+    assert ev["telemetry"]["kv_entries_peak"] == 64 and ev["telemetry"]["kv_entries_allocated"] == 64

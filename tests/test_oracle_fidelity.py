@@ -34,7 +34,7 @@ def test_oracle_reads_everything_when_k_covers_it_and_less_otherwise(engine):
     (dense,) = engine.generate([req()], "dense")
     (full,) = engine.generate([req()], "oracle_topk", {"k": 4096})
     assert full.token_ids == dense.token_ids
-    torch.testing.assert_close(full.logprobs.float(), dense.logprobs.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(full.logprobs, dense.logprobs, atol=1e-3, rtol=0)  # float32 log-probs
     (tiny,) = engine.generate([GenRequest(ids, SamplingParams(max_tokens=12), record_logprobs=True,
                                           forced_ids=dense.token_ids)], "oracle_topk",
                               {"k": 1, "recent": 2, "sinks": 1})

@@ -40,7 +40,8 @@ def _registered():
 
 def test_dense_is_default():
     assert build_policy(None).name == "dense"
-    assert build_policy("dense").parts == []
+    (part,) = build_policy("dense").parts  # the dense read part: which attention decodes (kernel option)
+    assert part.name == "dense" and part.config.kernel == "auto"
 
 
 def test_unknown_policy():

@@ -220,7 +220,7 @@ def test_sfi_equals_dense_when_sink_k_recent_cover_the_context(engine):
     for d, s in [*zip(dense, sfi, strict=True), *zip(dense, sfi_torch, strict=True)]:
         assert s.token_ids == d.token_ids
         assert s.greedy_ids == d.greedy_ids
-        assert (d.logprobs.float().exp() - s.logprobs.float().exp()).abs().max() < 2e-3
+        assert float((d.logprobs - s.logprobs).abs().max()) < 1e-3  # float32 log-probs, whole vocabulary
         tele = s.telemetry
         assert tele["sfi_slow_steps"] >= 3 and tele["sfi_steps"] == len(d.token_ids) - 1
         assert tele["sfi_retained_ratio"] == 1.0
@@ -250,7 +250,7 @@ def test_kernel_and_torch_fast_steps_agree_in_the_engine(engine):
         {"fast_step": "cpu_kernel", "compact_dtype": "bfloat16"}]
     for a, t, h in zip(kern, torch_path, bf16, strict=True):
         assert a.greedy_ids == t.greedy_ids
-        assert (a.logprobs.float().exp() - t.logprobs.float().exp()).abs().max() < 1e-3
+        assert float((a.logprobs - t.logprobs).abs().max()) < 1e-3
         assert (a.logprobs.float().exp() - h.logprobs.float().exp()).abs().max() < 0.05
         sfi_keys = [k for k in a.telemetry if k.startswith("sfi_")]
         assert sfi_keys and all(a.telemetry[k] == t.telemetry[k] for k in sfi_keys)
@@ -266,14 +266,14 @@ def test_dense_head_fallback_reads_the_whole_history(engine):
     every = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 1.0, "dense_min": 0.0}, forced)
     for d, s in zip(dense, every, strict=True):
         assert s.greedy_ids == d.greedy_ids
-        assert (d.logprobs.float().exp() - s.logprobs.float().exp()).abs().max() < 2e-3
+        assert float((d.logprobs - s.logprobs).abs().max()) < 1e-3  # float32 log-probs, whole vocabulary
         assert s.telemetry["sfi_dense_head_ratio"] == 1.0 and s.telemetry["sfi_retained_ratio"] == 1.0
     # the exact path (dense_budget=0) too; a small page budget reads less than everything
     exact = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 1.0, "dense_min": 0.0, "dense_budget": 0}, forced)
     paged = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 1.0, "dense_min": 0.0, "dense_budget": 8,
                                           "dense_page": 4}, forced)
     for d, s, p in zip(dense, exact, paged, strict=True):
-        assert (d.logprobs.float().exp() - s.logprobs.float().exp()).abs().max() < 2e-3
+        assert float((d.logprobs - s.logprobs).abs().max()) < 1e-3  # float32 log-probs, whole vocabulary
         assert s.telemetry["sfi_retained_ratio"] == 1.0
         assert 0.0 < p.telemetry["sfi_retained_ratio"] < 0.95
     few = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 0.1, "dense_min": 0.0}, forced)

@@ -82,7 +82,36 @@ def make_batch(policy: SinkRouterPolicy, lens=(11, 7), seed=0, cache_cls=Recordi
 
 
 def fixed_tau_policy(tau: float, **kw) -> SinkRouterPolicy:
-    return SinkRouterPolicy(SinkRouterConfig(tau=tau, **kw))
+    """The torch paths (the read-skipping fast path these tests watch); `kernel` overrides."""
+    return SinkRouterPolicy(SinkRouterConfig(tau=tau, **{"kernel": "torch", **kw}))
+
+
+def test_kernel_path_matches_reference_and_is_dense_when_nothing_is_skipped():
+    """kernel=auto on a CPU: few sink groups -> the dense C++ kernel for all groups, sink groups
+    overwritten; none -> exactly `dense`'s kernel step; many -> the read-skipping path. All equal
+    the plain reference."""
+    from cotserve.kernels import cpu_decode
+    from cotserve.policies.dense import kernel_dense_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(7)
+    policy = fixed_tau_policy(0.0, kernel="auto")
+    batch = make_batch(policy, lens=(11, 7, 9), seed=2)
+    assert policy.kernel
+    for layer in range(LAYERS):
+        q = torch.randn(batch.batch_size, HQ, 1, D, generator=g)
+        score = routing_score("logit_min", q, policy.anchor_k[layer], batch.scaling)
+        k, v, valid = batch.cache.view(layer)
+        flat = score.flatten().sort().values
+        for tau in (math.inf, float(flat[-2]), float(flat[0])):  # none, 2 of 9, all skipped
+            policy.cfg.tau = tau
+            skip = score >= tau if layer >= 2 else torch.zeros_like(score, dtype=torch.bool)
+            out = policy.decode_attention(layer, q, batch)
+            ref = sinkrouter_decode_reference(q, k, v, valid, skip, batch.scaling)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            if not skip.any():
+                assert torch.equal(out, kernel_dense_decode(q, batch, layer))
 
 
 def test_fast_path_matches_reference_on_random_inputs():
@@ -233,16 +262,47 @@ def test_refuses_without_calibration_and_names_the_command(tmp_path):
         make_batch(wrong)
 
 
-def test_shipped_calibration_for_bundled_model_loads():
-    from cotserve.policies.sinkrouter import shipped_calibration
+def test_shipped_calibration_matches_the_bundled_model_and_is_refused_elsewhere():
+    """The shipped file passes the policy's own check for the bundled model, and the same check
+    refuses it for other layer counts, another model or other first layers. (Whether its tau
+    realises the target skip on text it was not fitted on: test_sinkrouter_engine.)"""
+    from cotserve.policies.sinkrouter import check_calibration, shipped_calibration
 
-    path = shipped_calibration("smollm2-135m-instruct")
-    cal = Calibration.load(path)
-    assert cal.num_layers == 30 and cal.num_kv_heads == 3
-    for t in (0.4, 0.6):
-        fit = cal.raw["fits"][str(t)]
-        assert abs(fit["realised_skip"] - t) <= 0.05
-        cal.tau(t)
+    cal = Calibration.load(shipped_calibration("smollm2-135m-instruct"))
+    check_calibration(cal, "smollm2-135m-instruct", 30, 3, cal.first_layers)
+    for args, msg in [(("smollm2-135m-instruct", 24, 3, cal.first_layers), "30 layers"),
+                      (("qwen2.5-0.5b-instruct", 30, 3, cal.first_layers), "was made for model"),
+                      (("smollm2-135m-instruct", 30, 3, cal.first_layers + 1), "first_layers")]:
+        with pytest.raises(PolicyError, match=msg):
+            check_calibration(cal, *args)
+
+
+def test_policy_refuses_a_calibration_fitted_with_other_first_layers(tmp_path):
+    """The latent bug: a file fitted with first_layers=2 loaded into first_layers=0 would give the
+    never-fitted layers 0-1 P(sink)=0.5 (Platt a=b=0), above tau: every group skipped."""
+    path = _write_cal(tmp_path / "c.json", first_layers=2)
+    make_batch(SinkRouterPolicy(SinkRouterConfig(calibration=str(path), first_layers=2)))
+    for fl in (0, 3):
+        with pytest.raises(PolicyError, match="first_layers"):
+            make_batch(SinkRouterPolicy(SinkRouterConfig(calibration=str(path), first_layers=fl)))
+    other = _write_cal(tmp_path / "o.json", model="another-model")
+    with pytest.raises(PolicyError, match="was made for model"):
+        make_batch(SinkRouterPolicy(SinkRouterConfig(calibration=str(other))))
+
+
+def test_average_precision_counts_ties_as_one_block_and_a_constant_gets_the_base_rate():
+    y = np.array([1, 0, 0, 1, 0, 0, 0, 0])
+    assert average_precision(np.zeros(8), y) == pytest.approx(0.25)  # no tie order flatters it
+    # a positive tied with negatives gets the precision at the end of its block
+    assert average_precision(np.array([2.0, 1.0, 1.0, 0.0]), np.array([0, 1, 0, 1])) == pytest.approx(
+        (1 / 3 + 2 / 4) / 2)
+    from cotserve.policies.sinkrouter_calibration import group_base_rate
+
+    layer = np.array([0, 0, 1, 1, 1, 1])
+    group = np.zeros(6, dtype=int)
+    labels = np.array([1, 0, 0, 0, 0, 1])
+    rate = group_base_rate(labels, layer, group, 2, 1)
+    assert rate[:, 0].tolist() == [0.5, 0.25]
 
 
 def test_average_precision_and_platt_on_synthetic_data():

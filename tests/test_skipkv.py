@@ -51,7 +51,11 @@ def test_redundant_sentence_is_the_one_dropped_at_prefill(engine):
     ids, spans = sentence_ids(tok, SENTENCES)
     first = spans[1]
     budget = len(ids) - (first[1] - first[0])  # room for everything but one copy
-    stack = build_policy("skipkv", {"budget": str(budget), "tau": TAU, "window": "8"})
+    # the prompt's sentences are tracked only with prompt_sentences (ours; the paper: output only)
+    off = build_policy("skipkv", {"budget": str(budget), "tau": TAU, "window": "8"})
+    engine.generate([GenRequest(ids, SamplingParams(max_tokens=1))], off)
+    assert len(off.parts[0].sentences[0]) == 0
+    stack = build_policy("skipkv", {"budget": str(budget), "tau": TAU, "window": "8", "prompt_sentences": "true"})
     (res,) = engine.generate([GenRequest(ids, SamplingParams(max_tokens=1))], stack)
     pol = stack.parts[0]
     track = pol.sentences[0]
@@ -113,9 +117,9 @@ def test_spans_stay_aligned_through_compactions(engine, forced_run):
     assert res.telemetry["compactions"] >= 4
     tokens = r["prompt"] + r["forced"]
     track = pol.sentences[0]
-    spans = [(0, len(r["prompt"]))] + r["spans"]
+    spans = r["spans"]  # output sentences only (the paper's segmentation, the default)
     assert list(zip(track.starts, track.ends, strict=True)) == spans
-    assert [tok.decode(tokens[a:b]) for a, b in spans] == ["Notes:\n"] + FORCED_SENTENCES
+    assert [tok.decode(tokens[a:b]) for a, b in spans] == FORCED_SENTENCES
     cache = pol.batch.cache
     n_tokens = len(tokens) - 1  # the last forced token is sampled, never fed
     assert track.next_pos == n_tokens
@@ -158,16 +162,39 @@ def test_memory_stays_below_budget_plus_interval(forced_run):
 def test_redundant_copy_goes_first_during_decode(forced_run):
     r = forced_run
     track = r["policy"].sentences[0]
-    first, second = 2, 5  # sentence indices of the two copies (0 is the prompt)
+    first, second = 1, 4  # sentence indices of the two copies
     assert track.penalty[first] > 0.9 and track.penalty[second] == 0
     assert track.dropped[first] and not track.dropped[second]
     assert r["res"].telemetry["redundant_sentences_dropped"] >= 1
 
 
-def test_non_execution_thoughts_are_counted(forced_run):
-    expected = sum(classify_thought(s) != EXECUTION for s in FORCED_SENTENCES)
+def test_skipkv_and_steering_count_the_same_thoughts_by_one_configurable_rule_list(engine, tmp_path):
+    """One splitter (blank lines) and one rule list: in one run of skipkv+steering, SkipKV's
+    non-execution count equals steering's, and both equal the count over the blank-line thoughts
+    of the text; a rules file changes both alike."""
+    from cotserve.policies.thoughts import split_thoughts
+
+    tok = engine.tokenizer
+    thoughts = ["Paris is the capital of France.", "Wait, let me check again: is it Paris?",
+                "Cats like to sleep.\nThey sleep in the sun.", "Alternatively, ask a map.", "Done here."]
+    text = "\n\n".join(thoughts) + "\n\n"
+    forced = tok.encode(text) + tok.encode(" End")
+    prompt = tok.encode("Notes:\n\n")
+    closed = split_thoughts(text)
+    assert len(closed) == 5
+
+    def counts(extra):
+        stack = build_policy("skipkv+steering", {"skipkv.budget": "512", **extra})
+        req = GenRequest(prompt, SamplingParams(max_tokens=len(forced), ignore_eos=True), forced_ids=forced)
+        (res,) = engine.generate([req], stack)
+        return res.telemetry["non_execution_thoughts"], res.telemetry["steering_non_execution"]
+
+    expected = sum(classify_thought(t) != EXECUTION for t in closed)
     assert expected == 2
-    assert forced_run["res"].telemetry["non_execution_thoughts"] == expected
+    assert counts({}) == (expected, expected)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("reflection: ['\\bcats?\\b']\ntransition: []\n")
+    assert counts({"thought_rules": str(rules)}) == (1, 1)
 
 
 class _Poison(Policy):

@@ -66,6 +66,7 @@ def _row(policy: str, prefill_s: float, decode_s: float, results: list, skip: tu
         "kv_bytes_per_seq_after_prefill": max(t["kv_bytes_after_prefill"] for t in tele),
         "kv_bytes_per_seq_peak_decode": max(t["kv_bytes_peak"] for t in tele),
         "kv_bytes_per_seq_end": max(t["kv_bytes_final"] for t in tele),
+        "kv_bytes_per_seq_allocated": max(t["kv_bytes_allocated"] for t in tele),
         "peak_rss_mb": round(_peak_rss_mb(), 1),  # the process's (interleaved: all policies' caches)
     }
     for key, val in tele[0].items():
@@ -172,24 +173,34 @@ def time_native_interleaved(engine: NativeEngine, prompts: list[list[int]], new_
 def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: int,
                      policy_opt: list[str] | None, policy_file: str | None, model: str,
                      hf_baseline: bool, data_dir: str | None, device: str, dtype: str,
-                     interleave: bool = True) -> dict[str, Any]:
-    from cotserve.bench.prompts import long_prompts
+                     interleave: bool = True, random_tokens: bool = False) -> dict[str, Any]:
+    """`policies`: rows as `bench.specs` reads them (`dense`, `dense[kernel=torch]`, `sfi`, ...)."""
+    from cotserve.bench.prompts import long_prompts_with_source
+    from cotserve.bench.specs import parse_rows
 
     options = parse_options(policy_opt, policy_file)
-    for p in policies:  # fail fast on a bad policy or option, before loading anything
-        build_policy(p, _options_for(p, options))
+    specs = parse_rows(policies)
+    runs = [(s.policy, {**_options_for(s.policy, options), **s.options}) for s in specs]
+    for p, opts in runs:  # fail fast on a bad policy or option, before loading anything
+        build_policy(p, opts)
     engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=batch)
-    prompts = long_prompts(engine.tokenizer, context, batch, data_dir)
+    prompts, source = long_prompts_with_source(engine.tokenizer, context, batch, data_dir, random_tokens=random_tokens)
     # warm-up (allocator, kernels) so the first policy is not penalised
     time_native(engine, [p[:64] for p in prompts], 4, "dense", {})
-    if interleave and len(policies) > 1:
-        runs = [(p, _options_for(p, options)) for p in policies]
+    if interleave and len(runs) > 1:
         rows, _ = time_native_interleaved(engine, prompts, new_tokens, runs)
     else:
-        rows = [time_native(engine, prompts, new_tokens, p, _options_for(p, options)) for p in policies]
-    base = next((r for r in rows if r["policy"] == "dense"), None)
+        rows = [time_native(engine, prompts, new_tokens, p, opts) for p, opts in runs]
+    for row, spec, (_, opts) in zip(rows, specs, runs, strict=True):
+        row["row"] = spec.label
+        row["options"] = opts
+    # the reference: the first plain dense row (the best dense on the device), else the first row
+    base = next((r for r in rows if r["row"] == "dense"), None) or next(
+        (r for r in rows if r["policy"] == "dense"), None)
     if hf_baseline:
         hf = time_hf_generate(engine, prompts, new_tokens)
+        hf["row"] = hf["policy"]
+        hf["implementation"] = {"attention": "transformers sdpa"}
         rows.append(hf)
     ref = base or rows[0]
     for r in rows:
@@ -205,9 +216,11 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
         "batch": batch,
         "new_tokens": new_tokens,
         "policy_options": options,
+        "text_source": source.describe(),
+        "ratio_reference": ref.get("row"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "interleaved": bool(interleave and len(policies) > 1),
+        "interleaved": bool(interleave and len(runs) > 1),
         "machine": platform.machine(),
         "results": rows,
     }

@@ -50,6 +50,12 @@ class KVCache:
         per_entry = 2 * self.shape.kv_heads * self.shape.head_dim * self.k.element_size()
         return lens.sum(0) * per_entry
 
+    def allocated_bytes_per_slot(self) -> int:
+        """K+V bytes allocated per slot, summed over layers: the memory a sequence holds whatever
+        it fills (`capacity` entries per layer and KV head). This cache is one block per batch,
+        so entries freed by an eviction policy's compaction stay allocated to their slot."""
+        return self.shape.layers * self.capacity * 2 * self.shape.kv_heads * self.shape.head_dim * self.k.element_size()
+
     # -- writes ---------------------------------------------------------------------------
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
         """Write a right-padded prompt block k, v [B, Hkv, T, D] at indices 0..T-1."""

@@ -67,7 +67,7 @@ class GenRequest:
     # teacher forcing (fidelity benchmarks): feed these tokens instead of sampling; the model's own
     # greedy choice at each step is still recorded in Completion.greedy_ids
     forced_ids: list[int] | None = None
-    record_logprobs: bool = False  # keep each step's log-softmax row (float16) in Completion.logprobs
+    record_logprobs: bool = False  # keep each step's log-softmax row (float32) in Completion.logprobs
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Completion:
     completion_tokens: int
     telemetry: dict[str, Any] = field(default_factory=dict)
     greedy_ids: list[int] = field(default_factory=list)  # argmax of the logits at each step
-    logprobs: torch.Tensor | None = None  # [steps, V] float16 when record_logprobs was set
+    logprobs: torch.Tensor | None = None  # [steps, V] float32 when record_logprobs was set
 
 
 class NativeEngine:
@@ -255,9 +255,11 @@ class NativeEngine:
         rows = shared_prefill_rows(requests) if self.share_prefill and stack.prefill_shareable() else None
         if rows is None:
             hidden = self.forward(ids, pos, batch)
+            kv_before = cache.nbytes_per_slot().clone()  # the prompt's entries, before any compaction
             stack.after_forward(batch)
         else:
             hidden = self._prefill_once(ids, pos, batch, rows)
+            kv_before = cache.nbytes_per_slot().clone()
         last = hidden[torch.arange(bsz, device=self.device), plen_t - 1]
         logits = self.logits(last, batch)
 
@@ -267,7 +269,7 @@ class NativeEngine:
         run = _RunStats(policy=stack.name, prefill_s=time.perf_counter() - t_start,
                         padding_fraction=1.0 - sum(prompt_lens) / float(bsz * tmax),
                         kv_after_prefill=cache.nbytes_per_slot().clone())
-        run.kv_peak = run.kv_after_prefill.clone()
+        run.kv_peak = torch.maximum(kv_before, run.kv_after_prefill)
         run.extra["prefill_rows"] = bsz if rows is None else len(set(rows))
         run.t_decode = time.perf_counter()
         batch.mode = "decode"
@@ -309,8 +311,9 @@ class NativeEngine:
             else:
                 batch.positions = positions
                 hidden = self.forward(next_tokens.view(-1, 1), positions.view(-1, 1), batch)
-            stack.after_forward(batch)
+            # the peak is taken after the step's write and before a compaction frees entries
             torch.maximum(run.kv_peak, cache.nbytes_per_slot(), out=run.kv_peak)
+            stack.after_forward(batch)
             logits = self.logits(hidden[:, -1], batch)
             run.steps += 1
 
@@ -320,7 +323,7 @@ class NativeEngine:
         r = s.req
         s.greedy_ids.append(greedy)
         if r.record_logprobs:
-            s.logprob_rows.append(torch.log_softmax(logits, -1).to(torch.float16).cpu())
+            s.logprob_rows.append(torch.log_softmax(logits.float(), -1).cpu())
         if r.forced_ids is not None and len(s.out_ids) < len(r.forced_ids):
             tok = int(r.forced_ids[len(s.out_ids)])
         else:
@@ -358,7 +361,8 @@ class NativeEngine:
             "batch_size": batch.batch_size,
             "padding_fraction": round(run.padding_fraction, 4),
             "kv_bytes_after_prefill": int(run.kv_after_prefill[i]),
-            "kv_bytes_peak": int(run.kv_peak[i]),
+            "kv_bytes_peak": int(run.kv_peak[i]),  # filled entries, highest before any compaction
+            "kv_bytes_allocated": batch.cache.allocated_bytes_per_slot(),  # what the slot holds
             "kv_bytes_final": int(batch.cache.nbytes_per_slot()[i]),
             **run.extra,
         }

@@ -3,8 +3,9 @@
 Never hard-coded token ids: each set is computed by decoding every vocabulary entry once per
 tokenizer (cached).
 
-* `sentence_end_ids`: tokens whose text, trailing spaces removed, ends with . ? ! 。 ？ ！ or a
-  newline. SFI (Slow-Fast Inference) refreshes its selection on the first token after one.
+* `sentence_end_ids`: tokens whose text, trailing spaces removed, ends with . ? ! ; 。 ？ ！ ； or a
+  newline (SFI's boundary set, paper Sec. 5.1: {., ?, !, ;, \\n}). SFI (Slow-Fast Inference)
+  refreshes its selection on the first token after one.
 * `thought_delimiter_ids`: newline-type tokens that end a thought in a chain of thought, the
   SkipKV paper's set ("\\n", ".\\n", ")\\n", "\\n\\n", ".\\n\\n", ")\\n\\n", "?\\n\\n") and their
   vocabulary variants (a leading space, more newlines): the text, leading spaces removed, is one
@@ -16,7 +17,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-SENTENCE_END_CHARS = (".", "?", "!", "。", "？", "！", "\n")
+SENTENCE_END_CHARS = (".", "?", "!", ";", "。", "？", "！", "；", "\n")
 _THOUGHT_RE = re.compile(r"^[ \t]*[.)?!:]?\n+$")
 
 

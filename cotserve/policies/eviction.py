@@ -16,8 +16,9 @@ entries back to tokens. The cache only ever holds a slot's valid entries at indi
 Finished sequences that still ride along in the batch are truncated to their most recent entries
 (nothing reads them).
 
-It also follows each sequence's generated thoughts (`ThoughtTracker`, SkipKV Sec. 4.2) and
-reports the count of non-execution thoughts.
+It also follows each sequence's generated thoughts (`thoughts.thought_tracker`: the blank-line
+splitter steering uses too, SkipKV Sec. 4.2) and reports the count of non-execution thoughts,
+classified by the rules of the `thought_rules` file (default: `thoughts.DEFAULT_RULES`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cotserve.errors import CotserveError
 from cotserve.policies.base import Axis, Policy, PolicyConfig
 from cotserve.policies.boundaries import thought_delimiter_ids
-from cotserve.policies.thoughts import ThoughtTracker
+from cotserve.policies.thoughts import load_rules, thought_tracker
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
@@ -40,12 +42,15 @@ class EvictionConfig(PolicyConfig):
     """budget: KV entries kept per sequence, layer and KV head after a compaction.
     interval: decode steps between compactions (N); memory stays at most budget + interval.
     window: the most recent entries always kept, and the number of observation queries (w).
-    compact_prefill: compact right after prefill when the prompt exceeds the budget."""
+    compact_prefill: compact right after prefill when the prompt exceeds the budget.
+    thought_rules: YAML/JSON file of thought classification rules (`thoughts.load_rules`);
+    "" = the defaults."""
 
     budget: int = 1024
     interval: int = 128
     window: int = 8
     compact_prefill: bool = True
+    thought_rules: str = ""
 
     def validate(self) -> None:
         if self.window < 1:
@@ -54,6 +59,11 @@ class EvictionConfig(PolicyConfig):
             raise ValueError(f"budget ({self.budget}) must be larger than window ({self.window})")
         if self.interval < 1:
             raise ValueError(f"interval must be >= 1, got {self.interval}")
+        if self.thought_rules:
+            try:
+                load_rules(self.thought_rules)
+            except CotserveError as exc:
+                raise ValueError(str(exc)) from exc
 
 
 class BudgetEviction(Policy):
@@ -85,7 +95,8 @@ class BudgetEviction(Policy):
         plens = batch.prompt_lens.tolist()
         self.fed = list(plens)  # next position the thought tracker has not seen
         tok = batch.info.tokenizer
-        self.trackers = ([ThoughtTracker(tok, thought_delimiter_ids(tok)) for _ in range(b)]
+        rules = load_rules(self.config.thought_rules)
+        self.trackers = ([thought_tracker(tok, thought_delimiter_ids(tok), rules) for _ in range(b)]
                          if tok is not None else None)
 
     def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> None:
@@ -109,11 +120,11 @@ class BudgetEviction(Policy):
     # -- eviction ------------------------------------------------------------------------
     def after_forward(self, batch: BatchState) -> None:
         self.observe(batch)
-        self.compact_due(batch)
-        # entries held per slot, before the next write: the peak during decoding is the max of
-        # this and the length a decode step reaches before its compaction (tracked below)
+        # entries held per slot after this forward's write and before any compaction (the prompt
+        # at prefill, one more entry per decode step): the peak is the max of these
         for i, n in enumerate(batch.cache.lens.amax(0).tolist()):
             self.peak_entries[i] = max(self.peak_entries[i], n)
+        self.compact_due(batch)
 
     def compact_due(self, batch: BatchState) -> None:
         c = self.config
@@ -121,11 +132,8 @@ class BudgetEviction(Policy):
         if batch.mode == "prefill":
             if not c.compact_prefill:
                 return
-        else:
-            for i, n in enumerate(lens):  # the decode step's write happened: the real peak
-                self.peak_entries[i] = max(self.peak_entries[i], n)
-            if (batch.step + 1) % c.interval:
-                return
+        elif (batch.step + 1) % c.interval:
+            return
         active = batch.active.tolist() if batch.active is not None else [True] * len(lens)
         for i, n in enumerate(lens):
             if n <= c.budget:
@@ -197,7 +205,8 @@ class BudgetEviction(Policy):
             "kv_budget": self.config.budget,
             "compactions": self.compactions[slot],
             "evicted_tokens": self.evicted[slot],
-            "kv_entries_peak": self.peak_entries[slot],  # after prefill (and its compaction) and in decode
+            "kv_entries_peak": self.peak_entries[slot],  # filled entries per layer and KV head, before compactions
+            "kv_entries_allocated": self.batch.cache.capacity,  # what the slot holds (see KVCache)
             "retained_ratio": round(held / max(total, 1), 4),
         }
         if self.trackers is not None:

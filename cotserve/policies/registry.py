@@ -21,7 +21,7 @@ REGISTRY: dict[str, type[Policy]] = {}
 
 # Options that name files on the server: settable with `serve --policy-opt` / `--policy-file`,
 # refused in a request's `cotserve.options` (a client must not point the server at its files).
-SERVER_ONLY_OPTIONS = frozenset({"calibration", "vector"})
+SERVER_ONLY_OPTIONS = frozenset({"calibration", "vector", "thought_rules"})
 
 
 def server_only_keys(options: dict[str, Any]) -> list[str]:
@@ -138,7 +138,8 @@ def build_policy(spec: str | None, options: dict[str, Any] | None = None) -> Pol
         for c in owners:
             per_part[c.name][key] = value
     parts = [cls(make_config(cls, per_part[cls.name])) for cls in classes]
-    parts = [p for p in parts if p.name != "dense"]
+    if len(parts) > 1:  # dense beside an eviction/steering part: those parts' default read
+        parts = [p for p in parts if p.name != "dense"]
     # Hooks run evict -> read -> steer whatever the spec's order: an eviction policy records the
     # step's queries in decode_attention (returning None) before the read policy answers.
     order = {Axis.EVICT: 0, Axis.READ: 1, Axis.STEER: 2}

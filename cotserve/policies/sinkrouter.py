@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cotserve.errors import PolicyError
+from cotserve.kernels import cpu_decode
 from cotserve.policies.base import Axis, Policy, PolicyConfig, grouped_attention
 from cotserve.policies.registry import register
 
@@ -199,6 +200,27 @@ class Calibration:
         return self.fits[t]
 
 
+def check_calibration(cal: Calibration, model_name: str, num_layers: int, num_kv_heads: int,
+                      first_layers: int) -> None:
+    """Refuse a calibration made for another policy setting: another model (by slug), other
+    layer / KV-group counts, or other never-routed first layers (the file's Platt maps and tau
+    were fitted on layers >= its `first_layers`; elsewhere they are undefined)."""
+    from cotserve.models import model_slug
+
+    fix = f"run `{CALIBRATE_CMD.format(model=model_name)}`"
+    if cal.num_layers != num_layers or cal.num_kv_heads != num_kv_heads:
+        raise PolicyError(
+            f"sinkrouter calibration {cal.path} is for a model with {cal.num_layers} layers / "
+            f"{cal.num_kv_heads} KV heads, this one has {num_layers} / {num_kv_heads}; {fix}")
+    if model_slug(cal.model) != model_slug(model_name):
+        raise PolicyError(f"sinkrouter calibration {cal.path} was made for model {cal.model!r}, not {model_name!r}; {fix}")
+    if cal.first_layers != first_layers:
+        raise PolicyError(
+            f"sinkrouter calibration {cal.path} was fitted with first_layers={cal.first_layers}, the policy has "
+            f"first_layers={first_layers}; set --policy-opt first_layers={cal.first_layers} or {fix} "
+            f"--first-layers {first_layers}")
+
+
 def shipped_calibration(model_slug: str) -> Path:
     return CALIBRATION_DIR / f"{model_slug}.json"
 
@@ -220,6 +242,10 @@ def sinkrouter_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 GATHER_MIN_ROWS = 16  # from this many rows to read, one gathered matmul beats a loop of views
+# On a CPU with the C++ kernel: below this fraction of skipped groups in a layer, the step runs the
+# dense kernel over every group and overwrites the sink groups (so a routed step never costs more
+# than `dense`'s); from it on, only the other groups are read (`sinkrouter_decode`).
+KERNEL_SKIP_CUTOFF = 0.5
 
 
 def sinkrouter_decode(q: torch.Tensor, cache: KVCache, layer: int, skip: torch.Tensor, scaling: float,
@@ -272,6 +298,9 @@ class SinkRouterConfig(PolicyConfig):
          it, `score` picks the score (no file needed).
     score: the raw routing score used with a fixed `tau` (a calibration file names its own):
          logit_min | logit_mean | logit_max | cos_min | cos_mean.
+    kernel: "auto": on a CPU with a float32 cache, unrouted layers and layers with few sink
+            groups run `dense`'s C++ kernel (KERNEL_SKIP_CUTOFF) | "torch": the torch paths only
+            (the first layers then take the engine's default step).
     """
 
     calibration: str = ""
@@ -280,8 +309,11 @@ class SinkRouterConfig(PolicyConfig):
     surrogate: str = "zero"
     tau: float = float("nan")
     score: str = "logit_min"
+    kernel: str = "auto"
 
     def validate(self) -> None:
+        if self.kernel not in ("auto", "torch"):
+            raise ValueError(f"kernel must be 'auto' or 'torch', got {self.kernel!r}")
         if self.surrogate not in ("zero", "anchor_value"):
             raise ValueError(f"surrogate must be 'zero' or 'anchor_value', got {self.surrogate!r}")
         if self.first_layers < 0:
@@ -335,13 +367,11 @@ class SinkRouterPolicy(Policy):
     def begin(self, batch: BatchState) -> None:
         info = batch.info
         self.resolve_calibration(info.model_name)
-        cal = self.calibration
-        if cal is not None and (cal.num_layers != info.num_layers or cal.num_kv_heads != info.num_kv_heads):
-            raise PolicyError(
-                f"sinkrouter calibration {cal.path} is for a model with {cal.num_layers} layers / "
-                f"{cal.num_kv_heads} KV heads, this one has {info.num_layers} / {info.num_kv_heads}; "
-                f"run `{CALIBRATE_CMD.format(model=info.model_name)}`"
-            )
+        if self.calibration is not None:
+            check_calibration(self.calibration, info.model_name, info.num_layers, info.num_kv_heads,
+                              self.cfg.first_layers)
+        self.kernel = (self.cfg.kernel == "auto" and batch.cache.device.type == "cpu"
+                       and batch.cache.k.dtype == torch.float32 and cpu_decode.available())
         bsz, dev = batch.batch_size, batch.cache.device
         shape = (info.num_layers, bsz, info.num_kv_heads, info.head_dim)
         self.anchor_k = torch.zeros(shape, dtype=batch.cache.k.dtype, device=dev)
@@ -372,15 +402,33 @@ class SinkRouterPolicy(Policy):
         return score >= tau.unsqueeze(1)
 
     def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor | None:
-        if layer < self.cfg.first_layers:
+        if layer < self.cfg.first_layers:  # never routed: `dense`'s step
+            if self.kernel:
+                from cotserve.policies.dense import kernel_dense_decode
+
+                return kernel_dense_decode(q, batch, layer)
             return None
         skip = self.route(layer, q, batch)
         active = batch.active if batch.active is not None else torch.ones_like(skip[:, 0])
         self.skipped += (skip & active.unsqueeze(1)).sum(1)
         self.eligible += active.long() * skip.shape[1]
-        if not bool(skip.any()):
-            return None
+        n_skip = int(skip.sum())
+        if n_skip == 0 and not self.kernel:
+            return None  # the engine's dense step
         sur = self.anchor_v[layer] if self.cfg.surrogate == "anchor_value" else None
+        if self.kernel and n_skip < KERNEL_SKIP_CUTOFF * skip.numel():
+            # few groups skipped: the dense C++ kernel for all (what `dense` costs), sink groups
+            # overwritten; reading only the other rows in torch would cost more than that
+            from cotserve.policies.dense import kernel_dense_decode
+
+            out = kernel_dense_decode(q, batch, layer)
+            if n_skip:
+                b, hq, _, d = q.shape
+                hkv = skip.shape[1]
+                grp = out.view(b, hkv, hq // hkv, d)
+                fill = (torch.zeros(b, hkv, d, dtype=out.dtype) if sur is None else sur.to(out.dtype))
+                grp.copy_(torch.where(skip[:, :, None, None], fill[:, :, None, :], grp))
+            return out
         return sinkrouter_decode(q, batch.cache, layer, skip, batch.scaling, sur, GATHER_MIN_ROWS)
 
     def telemetry(self, slot: int) -> dict[str, Any]:

@@ -19,8 +19,10 @@ where the budget allows. Entries are mapped to sentences through their true posi
 Batch grouping by prompt length (Sec. 4.3) is the engine's (`native.group_by_length`); the
 non-execution thought count (Sec. 4.2) is reported per sequence (`non_execution_thoughts`).
 
-The paper cuts the OUTPUT into sentences; `prompt_sentences` (default on) also tracks the prompt's
-sentences, so that a long prompt compacted at prefill is scored the same way.
+The paper cuts the OUTPUT into sentences, and so does this policy by default: prompt entries carry
+no sentence penalty (R-KV's score alone ranks them). `prompt_sentences=true` (an option of ours)
+also tracks the prompt's sentences, so that a long prompt compacted at prefill is scored the same
+way; on true text it hurts (docs/policies-paper-fidelity.md).
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ from cotserve.policies.rkv import RKVConfig, RKVPolicy, rkv_scores
 @dataclass
 class SkipKVConfig(RKVConfig):
     """tau: sentence cosine similarity above which the earlier sentence is redundant.
-    prompt_sentences: also cut the prompt into sentences (the paper: the output only)."""
+    prompt_sentences: also cut the prompt into sentences (ours; the paper: the output only)."""
 
     tau: float = 0.95
-    prompt_sentences: bool = True
+    prompt_sentences: bool = False
 
     def validate(self) -> None:
         super().validate()

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cotserve.errors import PolicyError
+from cotserve.errors import CotserveError, PolicyError
 from cotserve.policies.base import Axis, Policy, PolicyConfig
 from cotserve.policies.boundaries import thought_delimiter_ids
 from cotserve.policies.registry import _coerce, register
-from cotserve.policies.thoughts import BlankLineTracker
+from cotserve.policies.thoughts import DEFAULT_RULES, ThoughtRules, load_rules, thought_tracker
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
@@ -184,13 +184,16 @@ class SteeringConfig(PolicyConfig):
     vector: path of a `.safetensors` vector; "" = the one shipped for the model's slug.
     layer: decoder layer whose input is steered; -1 = the layer the vector was built at.
     alpha0, gamma: alpha_t = alpha0 + gamma * N_o (N_o: non-execution thoughts so far).
-    enabled: False turns steering off (per request: extras, see the module docstring)."""
+    enabled: False turns steering off (per request: extras, see the module docstring).
+    thought_rules: YAML/JSON file of thought classification rules (`thoughts.load_rules`), the
+    same splitter and rules SkipKV's count uses; "" = the defaults."""
 
     vector: str = ""
     layer: int = -1
     alpha0: float = 1.0
     gamma: float = 0.02
     enabled: bool = True
+    thought_rules: str = ""
 
     def validate(self) -> None:
         if self.layer < -1:
@@ -200,6 +203,11 @@ class SteeringConfig(PolicyConfig):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.vector and not Path(self.vector).expanduser().is_file():
             raise ValueError(f"steering vector {self.vector} does not exist")
+        if self.thought_rules:
+            try:
+                load_rules(self.thought_rules)
+            except CotserveError as exc:
+                raise ValueError(str(exc)) from exc
 
 
 @dataclass
@@ -257,8 +265,9 @@ def think_ids(tokenizer) -> tuple[int | None, int | None]:
 class SlotThoughts:
     """One sequence's thought state, fed with the tokens the engine appends (generated only)."""
 
-    def __init__(self, tokenizer, delims: frozenset[int], prompt: list[int], think: tuple[int | None, int | None]):
-        self.tracker = BlankLineTracker(tokenizer, delims)
+    def __init__(self, tokenizer, delims: frozenset[int], prompt: list[int], think: tuple[int | None, int | None],
+                 rules: ThoughtRules = DEFAULT_RULES):
+        self.tracker = thought_tracker(tokenizer, delims, rules)
         self.open_id, self.close_id = think
         self.consumed = len(prompt)
         self.region = "none"  # none (no <think> seen) | inside | after
@@ -297,7 +306,8 @@ class ThoughtFollower(Policy):
         tok = batch.info.tokenizer
         delims = thought_delimiter_ids(tok)
         think = think_ids(tok)
-        self.slots = [SlotThoughts(tok, delims, batch.tokens[i], think) for i in range(batch.batch_size)]
+        rules = load_rules(getattr(self.config, "thought_rules", ""))
+        self.slots = [SlotThoughts(tok, delims, batch.tokens[i], think, rules) for i in range(batch.batch_size)]
 
     def boundaries(self, batch: BatchState) -> list[int]:
         """Slots whose current token (the one being forwarded) is a steerable boundary."""

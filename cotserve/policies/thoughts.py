@@ -14,12 +14,22 @@ steering strength alpha_t = alpha0 + gamma * N_o, and SkipKV reports it per sequ
 
 Rules are case-insensitive regular expressions searched anywhere in the thought; reflection rules
 are checked first (a thought that both reflects and switches counts as reflection).
+
+One splitter for every consumer: thoughts end at blank-line boundaries (`BlankLineTracker`,
+SEAL's segmentation, which SkipKV's steering follows), for SkipKV's non-execution count (the
+eviction policies' telemetry), steering's alpha_t and the steering-vector build alike. The rule
+lists are configurable with a YAML/JSON file (`load_rules`), the `thought_rules` option of
+`skipkv` / the eviction policies and of `steering`, and `cotserve build-steering --rules`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from cotserve.errors import CotserveError
 
 REFLECTION_RULES: tuple[str, ...] = (
     r"^\W*wait\b",
@@ -185,3 +195,42 @@ def blank_line_thoughts(token_ids: list[int], tokenizer, delimiter_ids: frozense
     if bounds:
         following.append(tracker.flush())
     return [(b, c) for b, c in zip(bounds, following, strict=True) if c is not None]
+
+
+def load_rules(path: str | None) -> ThoughtRules:
+    """Classification rules from a YAML/JSON file {reflection: [regex, ...], transition: [...]};
+    a missing key keeps the default list. None or "" gives the defaults."""
+    if not path:
+        return DEFAULT_RULES
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise CotserveError(f"rules file {p} does not exist")
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(p.read_text())
+        else:
+            import yaml
+
+            data = yaml.safe_load(p.read_text())
+    except Exception as exc:
+        raise CotserveError(f"cannot parse rules file {p}: {exc}") from exc
+    if not isinstance(data, dict) or set(data) - {"reflection", "transition"}:
+        raise CotserveError(f"rules file {p} must map 'reflection' and/or 'transition' to lists of regular expressions")
+    out = {}
+    for key in ("reflection", "transition"):
+        pats = data.get(key, list(getattr(DEFAULT_RULES, key)))
+        if not isinstance(pats, list) or not all(isinstance(x, str) for x in pats):
+            raise CotserveError(f"rules file {p}: {key!r} must be a list of strings")
+        for x in pats:
+            try:
+                re.compile(x)
+            except re.error as exc:
+                raise CotserveError(f"rules file {p}: bad regular expression {x!r}: {exc}") from exc
+        out[key] = tuple(pats)
+    return ThoughtRules(**out)
+
+
+def thought_tracker(tokenizer, delimiter_ids: frozenset[int], rules: ThoughtRules = DEFAULT_RULES
+                    ) -> BlankLineTracker:
+    """The one thought splitter (blank-line boundaries) every consumer uses."""
+    return BlankLineTracker(tokenizer, delimiter_ids, rules)

@@ -37,6 +37,12 @@ from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
 log = logging.getLogger(__name__)
 
 
+def ring_size(cfg: SFIConfig) -> int:
+    """Query rows a request keeps per layer: the bootstrap's `prefill_window` prompt rows and the
+    slow steps' `obs_window` decode rows (position p at index p % size)."""
+    return max(cfg.prefill_window, cfg.obs_window)
+
+
 def sfi_telemetry(st) -> dict[str, float | int]:
     """A request's SFI telemetry (the native policy's keys) from its counters."""
     n = st.steps
@@ -69,6 +75,7 @@ class SlotState:
     retained_sum: float = 0.0
     ring_pos: list[int] = field(default_factory=list)
     refresh_n: int = 0  # > 0: a refresh over this many entries is due at the next step
+    refresh_lo: int = 0  # ... from the query rows at positions [refresh_lo, refresh_n)
     k_eff: int = 0
 
 
@@ -160,7 +167,7 @@ class GraphSFI:
                 continue
             new_len = st.kv_len + ntok
             st.kv_len = new_len
-            w = st.cfg.obs_window
+            w = len(st.ring_pos)
             if new_len <= st.prompt_len:  # prefill: record the prompt's last rows
                 m = min(w, ntok)
                 for p in range(new_len - m, new_len):
@@ -171,8 +178,8 @@ class GraphSFI:
                     else:
                         self.extra_writes.append(entry)
                     st.ring_pos[p % w] = p
-                if new_len == st.prompt_len:
-                    st.refresh_n = new_len
+                if new_len == st.prompt_len:  # the bootstrap: the prompt's last prefill_window rows
+                    st.refresh_n, st.refresh_lo = new_len, new_len - st.cfg.prefill_window
                 continue
             seq_prev = req.output_ids[-2] if len(req.output_ids) >= 2 else (
                 req.prompt_ids[-1] if req.prompt_ids else -1)
@@ -190,7 +197,7 @@ class GraphSFI:
             if slow:
                 st.slow_steps += 1
                 st.retained_sum += 1.0
-                st.refresh_n = new_len
+                st.refresh_n, st.refresh_lo = new_len, new_len - st.cfg.obs_window
             else:  # an upper bound: compact entries the window covers are counted as read
                 read = min(st.k_eff + min(st.cfg.sinks, new_len), ws) + (new_len - ws)
                 st.retained_sum += min(1.0, read / new_len)
@@ -209,8 +216,8 @@ class GraphSFI:
 
     def _admit(self, req: RowRequest) -> SlotState | None:
         cfg: SFIConfig = req.sfi
-        if cfg.k > self.max_k or cfg.obs_window > W_MAX or cfg.sinks > self.C - self.max_k:
-            log.warning("sfi: request options beyond the engine's buffers (k <= %d, obs_window <= %d); "
+        if cfg.k > self.max_k or ring_size(cfg) > W_MAX or cfg.sinks > self.C - self.max_k:
+            log.warning("sfi: request options beyond the engine's buffers (k <= %d, prefill/obs_window <= %d); "
                         "it decodes densely", self.max_k, W_MAX)
             req.sfi = None
             return None
@@ -221,7 +228,7 @@ class GraphSFI:
             return None
         slot = self.free.pop(0)
         st = SlotState(cfg, RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
-                       len(req.prompt_ids), slot, ring_pos=[-1] * cfg.obs_window)
+                       len(req.prompt_ids), slot, ring_pos=[-1] * ring_size(cfg))
         self.cpos[:, slot].fill_(-1)
         req.state = st
         return st
@@ -249,7 +256,7 @@ class GraphSFI:
         """Run the due refreshes, those with the same options, length and ring rows together."""
         groups: dict[tuple, list[tuple[SlotState, torch.Tensor]]] = {}
         for st, blocks in due:
-            rows = tuple(p for p in st.ring_pos if 0 <= p < st.refresh_n)
+            rows = tuple(p for p in st.ring_pos if max(0, st.refresh_lo) <= p < st.refresh_n)
             groups.setdefault((repr(st.cfg), st.refresh_n, rows), []).append((st, blocks))
         for group in groups.values():
             self.refresh([st for st, _ in group], torch.stack([b for _, b in group]), block_size)
@@ -266,7 +273,7 @@ class GraphSFI:
         `budget` elements."""
         st0 = states[0]
         cfg, n = st0.cfg, st0.refresh_n
-        idx = [i for i, p in enumerate(st0.ring_pos) if 0 <= p < n]
+        idx = [i for i, p in enumerate(st0.ring_pos) if max(0, st0.refresh_lo) <= p < n]
         rp = [st0.ring_pos[i] for i in idx]
         now, oldest, r, j = max(rp), min(rp), len(idx), len(states)
         for st in states:

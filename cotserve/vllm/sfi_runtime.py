@@ -8,8 +8,9 @@ differs is where K/V live: vLLM's paged cache, read through a `PagedKV` accessor
 backend provides, with each entry's position equal to its index (vLLM does not evict).
 
 Per request (an SFI slot):
-* ring: the query rows of the last `obs_window` positions per layer (position p at p % obs_window),
-  written during prefill (the prompt's last rows) and at every decode step;
+* ring: the query rows of the last max(prefill_window, obs_window) positions per layer (position p
+  at p % that size), written during prefill (the prompt's last rows) and at every decode step; the
+  bootstrap reads the prompt's last `prefill_window` rows, a slow step the last `obs_window`;
 * compact buffers: sinks + selected K/V per layer and KV head, packed at each refresh;
 * the trigger, and the telemetry counters.
 
@@ -34,7 +35,7 @@ from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_from_evidence
 from cotserve.policies.sfi.trigger import RefreshTrigger
-from cotserve.vllm.graph_sfi import sfi_telemetry, write_telemetry
+from cotserve.vllm.graph_sfi import ring_size, sfi_telemetry, write_telemetry
 from cotserve.vllm.requests import BatchRows, RowRequest
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class SFIRuntime:
 
     def _new_state(self, req: RowRequest) -> SeqState:
         cfg: SFIConfig = req.sfi
-        w = cfg.obs_window
+        w = ring_size(cfg)
         c = cfg.sinks + cfg.k
         return SeqState(
             cfg=cfg, trigger=RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
@@ -171,7 +172,7 @@ class SFIRuntime:
             return
         for r in plan.sfi_rows:
             st = r.seq
-            w = st.cfg.obs_window
+            w = len(st.ring_pos)
             blocks = block_table[r.row]
             if r.mode == PREFILL:
                 m = min(w, r.ntok)
@@ -204,13 +205,15 @@ class SFIRuntime:
                            self.scaling)
         return o.view(self.hq, self.d)
 
-    def _rows(self, st: SeqState) -> tuple[list[int], list[int]]:
-        idx = [i for i, p in enumerate(st.ring_pos) if p >= 0]
+    @staticmethod
+    def _rows(st: SeqState, lo: int, hi: int) -> tuple[list[int], list[int]]:
+        """Ring indices and positions of the query rows at positions [lo, hi)."""
+        idx = [i for i, p in enumerate(st.ring_pos) if lo <= p < hi and p >= 0]
         return idx, [st.ring_pos[i] for i in idx]
 
     def _slow(self, layer: int, st: SeqState, r: RowPlan, kv_cache, blocks, paged) -> torch.Tensor:
         k, v = paged.read(kv_cache, blocks, 0, r.new_len)
-        idx, row_pos = self._rows(st)
+        idx, row_pos = self._rows(st, r.new_len - st.cfg.obs_window, r.new_len)  # the last obs_window queries
         cur = row_pos.index(r.new_len - 1)
         o, logits = slow_attention(st.ring[layer, :, idx], cur, k, v, self.scaling)
         self._stash(layer, st, logits, row_pos, r.new_len)
@@ -218,7 +221,7 @@ class SFIRuntime:
 
     def _bootstrap(self, layer: int, st: SeqState, r: RowPlan, kv_cache, blocks, paged) -> None:
         k, _ = paged.read(kv_cache, blocks, 0, r.new_len)
-        idx, row_pos = self._rows(st)
+        idx, row_pos = self._rows(st, r.new_len - st.cfg.prefill_window, r.new_len)  # the prompt's last rows
         qrows = st.ring[layer, :, idx]  # [Hq, w, D]
         w = len(idx)
         logits = torch.matmul(qrows.reshape(self.hkv, self.g * w, -1) * self.scaling, k.transpose(-1, -2)).float()

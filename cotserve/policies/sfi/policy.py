@@ -9,11 +9,11 @@ State per sequence (slot), layer and KV head:
   contiguous compact buffers once per refresh: keys transposed `ckt [layer, slot, kv_head, dim,
   sinks + k]`, values `cv [layer, slot, kv_head, sinks + k, dim]`.
 
-Bootstrap: after prefill, each layer selects from the evidence of the last `obs_window` prompt
-queries. Fast step: one softmax over compact buffer + recent window (`attention.fast_attention`),
+Bootstrap: after prefill, each layer selects from the evidence of the last `prefill_window` prompt
+queries (the paper's W = 16). Fast step: one softmax over compact buffer + recent window (`attention.fast_attention`),
 batched over slots and heads. Slow step (per slot, when its `RefreshTrigger` fires): dense
 attention over the whole history for that slot, whose logits for the last `obs_window` decode
-queries (kept in a small ring buffer per layer) feed the selector's evidence step; after the last
+queries (kept in a small ring buffer per layer; the paper's W = 1: the current query) feed the selector's evidence step; after the last
 layer, the rest of the selector runs for all layers of the slot at once (the same problem per
 layer, batched), then the compact buffers are re-packed. The bootstrap takes the same path.
 
@@ -322,17 +322,18 @@ class SFIPolicy(Policy):
     # -- prefill: dense causal attention + bootstrap selection ------------------------------
     def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> torch.Tensor:
         out = causal_prefill(q, k, v, batch.scaling)
-        w_max = self.config.obs_window
+        w_max, r_max = self.config.prefill_window, self.config.obs_window
         hkv = k.shape[1]
         for b in range(q.shape[0]):
             n = int(batch.prompt_lens[b])
             w = min(w_max, n)
-            qrows = q[b, :, n - w : n]  # [Hq, w, D]
-            self.ring[layer, b, :, :w] = qrows
+            qrows = q[b, :, n - w : n]  # [Hq, w, D]: the bootstrap's evidence rows
+            r = min(r_max, w)  # the ring (decode-time evidence rows) starts with the last r of them
+            self.ring[layer, b, :, :r] = qrows[:, w - r :]
             row_pos = list(range(n - w, n))
             if layer == 0:
-                self.ring_pos[b] = row_pos + [-1] * (w_max - w)
-                self.ring_ptr[b] = w % w_max
+                self.ring_pos[b] = row_pos[w - r :] + [-1] * (r_max - r)
+                self.ring_ptr[b] = r % r_max
             kk = batch.cache.k[layer, b, :, :n]
             g = self.hq // hkv
             logits = torch.matmul(qrows.reshape(hkv, g * w, -1) * batch.scaling, kk.transpose(-1, -2)).float()

@@ -10,7 +10,8 @@ g = t - (last refresh):
   if g >= min_gap, otherwise it stays pending and fires at the first step with g >= min_gap.
   A boundary seen within `cooldown` steps of the last refresh is dropped (a run such as ".\\n\\n"
   gives one refresh, not three). Whatever happens, g >= max_interval forces a refresh (the
-  refresh budget).
+  refresh budget T_max). The paper's trigger (Sec. 5.1: a boundary set and T_max = 64) is
+  min_gap=1, cooldown=0, the defaults; min_gap and cooldown are additions of ours.
 * `fixed_periodic` (ablation): every `period` steps, boundaries ignored.
 * `disabled` (ablation): never after the bootstrap.
 """
@@ -23,9 +24,9 @@ from dataclasses import dataclass
 @dataclass
 class RefreshTrigger:
     mode: str = "boundary"
-    min_gap: int = 32
+    min_gap: int = 1
     max_interval: int = 64
-    cooldown: int = 4
+    cooldown: int = 0
     period: int = 32
     last: int = -1  # step of the last refresh (bootstrap = -1)
     pending: bool = False
