@@ -96,7 +96,8 @@ def aggregate(records: list[dict[str, Any]], errors: int = 0, n_items: int = 0) 
 
 
 def write_outputs(out: Path, records: list[dict[str, Any]], errors: dict[tuple[str, str], int],
-                  suites: list[str], variants, meta: dict[str, Any], n_items: dict[str, int]) -> dict[str, Any]:
+                  suites: list[str], variants, meta: dict[str, Any], n_items: dict[str, int],
+                  redundancy_model: str | None = None) -> dict[str, Any]:
     runs = []
     for s in suites:
         for v in variants:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from cotserve.eval.graders.base import Grade
 from cotserve.eval.loaders import Item
 
+GRADER_VERSION = "1"
 
-def grade(item: Item, text: str, code_limits=None) -> Grade:
+
+def grade(item: Item, text: str, code_limits=None, finish_reason: str | None = None) -> Grade:
     """Grade a model reply (the answer part; reasoning may be included, graders look at the end)."""
     if item.kind == "math":
         from cotserve.eval.graders.math import grade_math
@@ -33,4 +35,4 @@ def grade(item: Item, text: str, code_limits=None) -> Grade:
     raise ValueError(f"no grader for kind {item.kind!r}")
 
 
-__all__ = ["Grade", "grade"]
+__all__ = ["GRADER_VERSION", "Grade", "grade"]
