@@ -207,7 +207,8 @@ def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
         try:
             _generate(cfg, backend, suites, done, log)
         except KeyboardInterrupt:
-            for out in backend.drain():  # replies that finished after Ctrl-C are logged too
+            drain = getattr(backend, "drain", None)
+            for out in drain() if drain else []:  # replies that finished after Ctrl-C are logged too
                 _log_output(out, suites, cfg, done, log)
             n = sum(1 for _ in done)
             print(f"\ninterrupted: {n} graded replies are in {log_path}; run the same command again to "
