@@ -293,6 +293,8 @@ def eval_cmd(
     code_memory_mb: Annotated[int, typer.Option(help="LiveCodeBench: address-space limit per test.")] = 1024,
     fresh: Annotated[bool, typer.Option(help="Discard predictions already in --out instead of resuming.")] = False,
     progress: Annotated[bool, typer.Option(help="Progress bars on stderr.")] = True,
+    report_only: Annotated[bool, typer.Option(help="Regrade and rewrite the report from the replies in --out; "
+                                              "generate nothing (items not there count as missing).")] = False,
     threads: Annotated[int | None, typer.Option("--threads", help="Local mode: torch CPU threads "
                                                 "(default: physical cores).")] = None,
     redundancy: Annotated[bool, typer.Option(help="Reasoning-redundancy section (sentence embeddings); "
@@ -312,7 +314,7 @@ def eval_cmd(
             max_tokens=max_tokens, samples=samples, temperature=temperature, top_p=top_p, seed=seed, out=out,
             fresh=fresh, max_batch=max_batch, device=device, dtype=dtype, code_timeout=code_timeout,
             code_memory_mb=code_memory_mb, progress=progress, threads=threads, redundancy=redundancy,
-            redundancy_model=redundancy_model,
+            redundancy_model=redundancy_model, report_only=report_only,
         )
     except CotserveError as exc:
         fail(str(exc))

@@ -126,6 +126,35 @@ class LocalBackend:
                              t_queued=t_queued, t_first=first[d.request_id])
 
 
+class LogBackend:
+    """`--report-only`: no model and no endpoint; the run's own `run_config.json` describes where its
+    replies came from, and nothing new is generated (regrading and the report still happen)."""
+
+    kind = "log"
+
+    def __init__(self, out_dir):
+        from pathlib import Path
+
+        path = Path(out_dir) / "run_config.json"
+        if not path.is_file():
+            raise CotserveError(f"--report-only: {out_dir} holds no run (no run_config.json)")
+        self.backend = json.loads(path.read_text()).get("backend", {})
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.backend)
+
+    def check(self, policy: str, options: dict[str, Any]) -> None:
+        """Nothing runs: nothing to check."""
+
+    def run(self, jobs: list[Job]) -> Iterator[Output]:
+        if jobs:
+            raise CotserveError("--report-only generates nothing")
+        return iter(())
+
+    def drain(self) -> list[Output]:
+        return []
+
+
 class EndpointBackend:
     """An OpenAI-compatible server (`cotserve serve`, or any other) through the openai SDK."""
 

@@ -18,7 +18,7 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
                  limit: int | None, concurrency: int, max_tokens: int, samples: int, temperature: float,
                  top_p: float, seed: int, out: str, fresh: bool, max_batch: int, device: str, dtype: str,
                  code_timeout: float, code_memory_mb: int, progress: bool, threads: int | None = None,
-                 redundancy: bool = True, redundancy_model: str = "all-MiniLM-L6-v2") -> dict[str, Any]:
+                 redundancy: bool = True, redundancy_model: str = "all-MiniLM-L6-v2", report_only: bool = False) -> dict[str, Any]:
     from cotserve.data import data_dir as find_data_dir
     from cotserve.policies.registry import parse_options
 
@@ -43,8 +43,14 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
         samples=samples, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
         code_limits=Limits(timeout_s=code_timeout, memory_mb=code_memory_mb), progress=progress, fresh=fresh,
         command="cotserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        redundancy_model=redundancy_model if redundancy else None,
+        redundancy_model=redundancy_model if redundancy else None, report_only=report_only,
     )
+    if report_only:
+        from cotserve.eval.backends import LogBackend
+        from cotserve.eval.threads import set_threads
+
+        cfg.threads = set_threads(threads)  # the redundancy embeddings run here
+        return run_eval(cfg, LogBackend(out))
     if endpoint:
         import os
 

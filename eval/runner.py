@@ -127,6 +127,7 @@ class EvalConfig:
     progress: bool = True
     fresh: bool = False
     command: str = ""
+    report_only: bool = False  # regrade and report what the log holds; generate nothing
     threads: int | None = None  # local mode: torch CPU threads (recorded in the report)
     redundancy_model: str | None = "all-MiniLM-L6-v2"  # None: no redundancy section
     run_id: str = field(default_factory=lambda: time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}")
@@ -205,7 +206,8 @@ def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
         _ensure_newline(log_path, log)
         _regrade(suites, done, log, cfg.code_limits)
         try:
-            _generate(cfg, backend, suites, done, log)
+            if not cfg.report_only:
+                _generate(cfg, backend, suites, done, log)
         except KeyboardInterrupt:
             drain = getattr(backend, "drain", None)
             for out in drain() if drain else []:  # replies that finished after Ctrl-C are logged too

@@ -337,3 +337,39 @@ def test_cli_runs_a_custom_suite_and_resumes(tmp_path):
     assert sorted(json.loads(x)["id"] for x in (out / "predictions.jsonl").read_text().splitlines()) == ["q1", "q2"]
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r2.returncode == 0 and len((out / "predictions.jsonl").read_text().splitlines()) == 2  # nothing redone
+
+
+def test_report_only_regrades_old_replies_without_generating(data_dir, tmp_path):
+    """A log graded by the first grader (which took the last number of a truncated reply): the
+    report-only pass regrades every reply from its stored text, generates nothing, and the
+    truncated ones that were counted correct are no longer."""
+    from cotserve.eval.backends import LogBackend
+    from cotserve.eval.graders import GRADER_VERSION
+    from cotserve.eval.loaders import load_suite
+
+    items = load_suite(parse_suites("gsm8k")[0], data_dir, "local", 3)
+    (tmp_path / "run_config.json").write_text(json.dumps({
+        "generation": {"model": "m", "endpoint": None, "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 0},
+        "variants": {"dense": {"policy": "dense", "options": {}}}, "backend": {"mode": "local", "model": "m"}}))
+    replies = [  # (content, finish reason): cut mid-list / mid-calculation, then a finished one
+        (f"1. First leg\n2. Second leg\n{items[0].answer}. Now, calculate the total distance", "length"),
+        (f"So far {items[1].answer} * 3", "length"),
+        (f"Adding everything up.\nThe answer is {items[2].answer}", "stop"),
+    ]
+    with open(tmp_path / "predictions.jsonl", "w") as f:
+        for it, (content, finish) in zip(items, replies, strict=True):
+            f.write(json.dumps({"suite": "gsm8k", "policy": "dense", "id": it.id, "sample": 0, "spec": "dense",
+                                "correct": True, "extracted": it.answer, "reference": it.answer,
+                                "finish_reason": finish, "completion_tokens": 16, "prompt_tokens": 50,
+                                "reasoning_tokens": 0, "t_start": 1.0, "t_end": 2.0, "telemetry": {},
+                                "reasoning": None, "content": content}) + "\n")
+    cfg = config(tmp_path, data_dir, suites="gsm8k", limit=3, report_only=True)
+    cfg.variants[0].options = {}
+    res = run_eval(cfg, LogBackend(tmp_path))
+    (run,) = res["runs"]
+    assert run["n"] == 3 and run["correct"] == 1
+    assert run["extraction"] == {"truncated": 2, "marker": 1}
+    last = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()][-3:]
+    assert all(r["grader"] == GRADER_VERSION and r["regraded_from"] == "unversioned" for r in last)
+    with pytest.raises(CotserveError, match="generates nothing"):
+        list(LogBackend(tmp_path).run([object()]))
