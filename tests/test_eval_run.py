@@ -258,14 +258,14 @@ def test_endpoint_mode_carries_the_policy_per_request(server, data_dir, tmp_path
 
 
 def test_ctrl_c_in_endpoint_mode_keeps_replies_in_flight(server, data_dir, tmp_path):
-    """Stopped after the first reply while the second request is in flight: that one is awaited
-    and logged, not discarded."""
+    """Stopped after the first reply, with up to two requests in flight (concurrency 2; the pool may
+    have started the next one already): those are awaited and logged, the ones not started dropped."""
     url, _ = server
     rec = Recording(EndpointBackend(url, None, "bundled", concurrency=2), stop_after=1)
     with pytest.raises(KeyboardInterrupt):
         run_eval(config(tmp_path, data_dir, suites="gsm8k", limit=4, max_tokens=8), rec)
     logged = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()]
-    assert len(logged) == 2 and all(r.get("error") is None for r in logged)
+    assert 2 <= len(logged) <= 3 and all(r.get("error") is None for r in logged)
 
 
 def test_endpoint_refusing_a_policy_stops_the_run(server, data_dir, tmp_path):
