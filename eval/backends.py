@@ -17,10 +17,12 @@ they finish, so the runner can log each one at once (the resume log).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from cotserve.engine.textproc import split_reasoning
@@ -50,9 +52,11 @@ class Output:
     reasoning_tokens: int = 0
     finish_reason: str = ""
     telemetry: dict[str, Any] = field(default_factory=dict)
-    t_start: float = 0.0
-    t_end: float = 0.0
+    t_start: float = 0.0  # the request starts running (its batch starts, or it is sent)
+    t_end: float = 0.0  # its last token
     error: str | None = None
+    t_queued: float | None = None  # it was handed to the backend (queue wait = t_start - t_queued)
+    t_first: float | None = None  # its first generated token arrived
 
 
 class LocalBackend:
@@ -73,8 +77,13 @@ class LocalBackend:
 
         build_policy(policy, options)  # PolicyError for an unknown policy or a bad option
 
+    def drain(self) -> list[Output]:
+        """After Ctrl-C: nothing is in flight outside the engine (finished replies were yielded)."""
+        return []
+
     def run(self, jobs: list[Job]) -> Iterator[Output]:
         eng = self.engine
+        t_queued = time.time()  # every job enters the queue now; its wait ends when its batch starts
         groups: dict[str, list[tuple[Job, list[int]]]] = {}
         for j in jobs:  # one batch runs one policy variant
             key = json.dumps([j.policy, j.options], sort_keys=True, default=str)
@@ -82,9 +91,11 @@ class LocalBackend:
         for members in groups.values():
             members.sort(key=lambda e: len(e[1]))  # neighbours in prompt length share a batch
             for start in range(0, len(members), eng.max_batch):
-                yield from self._batch(members[start : start + eng.max_batch])
+                yield from self._batch(members[start : start + eng.max_batch], t_queued)
 
-    def _batch(self, batch: list[tuple[Job, list[int]]]) -> Iterator[Output]:
+    def _batch(self, batch: list[tuple[Job, list[int]]], t_queued: float) -> Iterator[Output]:
+        """One engine batch, streamed: each reply is yielded the step it finishes, with its own
+        first-token and end times (not the batch's)."""
         from cotserve.engine.native import GenRequest
         from cotserve.engine.sampling import SamplingParams
 
@@ -96,21 +107,56 @@ class LocalBackend:
                 ok.append((job, ids))
             except CotserveError as exc:  # e.g. a prompt longer than the context: this item only
                 now = time.time()
-                yield Output(job, prompt_tokens=len(ids), t_start=now, t_end=now, error=str(exc))
+                yield Output(job, prompt_tokens=len(ids), t_queued=t_queued, t_start=now, t_end=now, error=str(exc))
         if not ok:
             return
-        batch = ok
-        head = batch[0][0]
+        head = ok[0][0]
         reqs = [GenRequest(ids, SamplingParams(max_tokens=j.max_tokens, temperature=j.temperature,
-                                               top_p=j.top_p, seed=j.seed)) for j, ids in batch]
+                                               top_p=j.top_p, seed=j.seed)) for j, ids in ok]
+        jobs = {r.request_id: j for r, (j, _) in zip(reqs, ok, strict=True)}
+        first: dict[str, float] = {}
         t0 = time.time()
-        results = eng.generate(reqs, head.policy, head.options)
-        t1 = time.time()
-        for (job, _), res in zip(batch, results, strict=True):
-            reasoning, content = split_reasoning(res.text)
-            rtok = len(eng.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-            yield Output(job, res.text, content, reasoning, res.prompt_tokens, res.completion_tokens,
-                         min(rtok, res.completion_tokens), res.finish_reason, dict(res.telemetry), t0, t1)
+        for deltas in eng.stream(reqs, head.policy, head.options):
+            now = time.time()
+            for d in deltas:
+                first.setdefault(d.request_id, now)
+                if d.result is None:
+                    continue
+                res, job = d.result, jobs[d.request_id]
+                reasoning, content = split_reasoning(res.text)
+                rtok = len(eng.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+                yield Output(job, res.text, content, reasoning, res.prompt_tokens, res.completion_tokens,
+                             min(rtok, res.completion_tokens), res.finish_reason, dict(res.telemetry), t0, now,
+                             t_queued=t_queued, t_first=first[d.request_id])
+
+
+class LogBackend:
+    """`--report-only`: no model and no endpoint; the run's own `run_config.json` describes where its
+    replies came from, and nothing new is generated (regrading and the report still happen)."""
+
+    kind = "log"
+
+    def __init__(self, out_dir):
+        from pathlib import Path
+
+        path = Path(out_dir) / "run_config.json"
+        if not path.is_file():
+            raise CotserveError(f"--report-only: {out_dir} holds no run (no run_config.json)")
+        self.backend = json.loads(path.read_text()).get("backend", {})
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.backend)
+
+    def check(self, policy: str, options: dict[str, Any]) -> None:
+        """Nothing runs: nothing to check."""
+
+    def run(self, jobs: list[Job]) -> Iterator[Output]:
+        if jobs:
+            raise CotserveError("--report-only generates nothing")
+        return iter(())
+
+    def drain(self) -> list[Output]:
+        return []
 
 
 class EndpointBackend:
@@ -155,7 +201,7 @@ class EndpointBackend:
     def check(self, policy: str, options: dict[str, Any]) -> None:
         """The server validates policies; nothing to check here."""
 
-    def _one(self, job: Job) -> Output:
+    def _one(self, job: Job, t_queued: float | None = None) -> Output:
         import openai
 
         body: dict[str, Any] = {"cotserve": {"policy": job.policy, "options": job.options}}
@@ -165,36 +211,31 @@ class EndpointBackend:
                                           top_p=job.top_p, extra_body=body)
             if job.seed is not None:
                 kwargs["seed"] = job.seed
+            stream_kw = dict(stream=True, stream_options={"include_usage": True})
             if self.api == "completions":
-                resp = self.client.completions.create(prompt=job.prompt, **kwargs)
+                parts, rparts, finish, usage, tele, t_first = self._consume(
+                    self.client.completions.create(prompt=job.prompt, **kwargs, **stream_kw))
             else:
-                resp = self.client.chat.completions.create(
-                    messages=[{"role": "user", "content": job.prompt}], **kwargs)
+                parts, rparts, finish, usage, tele, t_first = self._consume(self.client.chat.completions.create(
+                    messages=[{"role": "user", "content": job.prompt}], **kwargs, **stream_kw))
         except openai.APIConnectionError as exc:
-            return Output(job, t_start=t0, t_end=time.time(), error=f"connection: {exc}")
+            return Output(job, t_start=t0, t_end=time.time(), error=f"connection: {exc}", t_queued=t_queued)
         except openai.APIStatusError as exc:
             per_item = exc.status_code in (408, 429) or exc.status_code >= 500 or \
                 getattr(exc, "code", None) == "context_length_exceeded"
             if not per_item:  # a bad key, model or policy fails every request alike: stop at once
                 raise CotserveError(f"endpoint {self.url} refused the request: HTTP {exc.status_code}: "
                                     f"{exc.message}") from None
-            return Output(job, t_start=t0, t_end=time.time(), error=f"HTTP {exc.status_code}: {exc.message}")
+            return Output(job, t_start=t0, t_end=time.time(), error=f"HTTP {exc.status_code}: {exc.message}",
+                          t_queued=t_queued)
         except openai.APIError as exc:
-            return Output(job, t_start=t0, t_end=time.time(), error=str(exc))
+            return Output(job, t_start=t0, t_end=time.time(), error=str(exc), t_queued=t_queued)
         t1 = time.time()
-        choice = resp.choices[0]
-        if self.api == "completions":
-            reasoning, content = split_reasoning(choice.text or "")
-        else:
-            msg = choice.message
-            content = msg.content or ""
-            reasoning = getattr(msg, "reasoning_content", None)
-            if reasoning is None and msg.model_extra:
-                reasoning = msg.model_extra.get("reasoning_content") or msg.model_extra.get("reasoning")
-            if reasoning is None:  # a server that leaves <think> in the content
-                reasoning, content = split_reasoning(content)
+        content = "".join(parts)
+        reasoning = "".join(rparts) if rparts else None
+        if reasoning is None:  # a server that leaves <think> in the content
+            reasoning, content = split_reasoning(content)
         text = (f"<think>\n{reasoning}\n</think>\n\n" if reasoning else "") + content
-        usage = resp.usage
         completion = int(getattr(usage, "completion_tokens", 0) or 0)
         rtok = 0
         details = getattr(usage, "completion_tokens_details", None)
@@ -202,15 +243,65 @@ class EndpointBackend:
             rtok = int(details.reasoning_tokens)
         elif reasoning:  # no count from the server: split the total by characters
             rtok = round(completion * len(reasoning) / max(1, len(reasoning) + len(content)))
-        tele = dict((resp.model_extra or {}).get("cotserve") or {})
         return Output(job, text, content, reasoning, int(getattr(usage, "prompt_tokens", 0) or 0), completion,
-                      rtok, choice.finish_reason or "", tele, t0, t1)
+                      rtok, finish or "", tele, t0, t1, t_queued=t_queued, t_first=t_first)
+
+    @staticmethod
+    def _consume(stream) -> tuple[list[str], list[str], str | None, Any, dict[str, Any], float | None]:
+        """Read an SSE chat stream: content and reasoning pieces, finish reason, usage, cotserve
+        telemetry, and when the first generated text arrived."""
+        parts: list[str] = []
+        rparts: list[str] = []
+        finish, usage, tele, t_first = None, None, {}, None
+        for chunk in stream:
+            extra = chunk.model_extra or {}
+            if extra.get("cotserve"):
+                tele = dict(extra["cotserve"])
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                d = getattr(ch, "delta", None)
+                if d is None:  # a text-completion chunk
+                    d = SimpleNamespace(content=getattr(ch, "text", None), model_extra=None)
+                r = getattr(d, "reasoning_content", None)
+                if r is None and d.model_extra:
+                    r = d.model_extra.get("reasoning_content")
+                if (d.content or r) and t_first is None:
+                    t_first = time.time()
+                if d.content:
+                    parts.append(d.content)
+                if r:
+                    rparts.append(r)
+                if ch.finish_reason:
+                    finish = ch.finish_reason
+        return parts, rparts, finish, usage, tele, t_first
 
     def run(self, jobs: list[Job]) -> Iterator[Output]:
         pool = ThreadPoolExecutor(max_workers=self.concurrency)
-        futures = [pool.submit(self._one, j) for j in jobs]
+        t_queued = time.time()
+        self._pending = {pool.submit(self._one, j, t_queued) for j in jobs}
+        self._pool = pool
         try:
-            for fut in as_completed(futures):
+            for fut in as_completed(list(self._pending)):
+                self._pending.discard(fut)
                 yield fut.result()
-        finally:  # on Ctrl-C: drop what has not started; requests in flight finish on their own
+        finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def drain(self) -> list[Output]:
+        """After Ctrl-C: drop the requests that have not started, wait for the ones in flight (a
+        second Ctrl-C abandons them) and return their replies, so finished work is logged."""
+        pending = getattr(self, "_pending", set())
+        for fut in pending:
+            fut.cancel()
+        running = [f for f in pending if not f.cancelled()]
+        if running:
+            print(f"waiting for {len(running)} request(s) in flight; Ctrl-C again to drop them", file=sys.stderr)
+        out: list[Output] = []
+        try:
+            for fut in as_completed(running):
+                out.append(fut.result())
+        except KeyboardInterrupt:
+            pass
+        self._pending = set()
+        return out

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cotserve.errors import CotserveError
-from cotserve.eval.loaders import parse_suites
+from cotserve.eval.loaders import check_suite, parse_suites
 from cotserve.eval.runner import EvalConfig, parse_variants, run_eval
 from cotserve.eval.sandbox import Limits
 
@@ -27,7 +27,9 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
                  model: str | None, policy: str, policy_opt: list[str] | None, policy_file: str | None,
                  limit: int | None, concurrency: int, max_tokens: int, samples: int, temperature: float,
                  top_p: float, seed: int, out: str, fresh: bool, max_batch: int, device: str, dtype: str,
-                 code_timeout: float, code_memory_mb: int, progress: bool, api: str = "chat") -> dict[str, Any]:
+                 code_timeout: float, code_memory_mb: int, progress: bool, threads: int | None = None,
+                 redundancy: bool = True, redundancy_model: str = "all-MiniLM-L6-v2", report_only: bool = False,
+                 api: str = "chat") -> dict[str, Any]:
     from cotserve.data import data_dir as find_data_dir
     from cotserve.policies.registry import parse_options
 
@@ -48,12 +50,23 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
         raise CotserveError("--temperature must be >= 0")
     if concurrency < 1:
         raise CotserveError("--concurrency must be at least 1")
+    if threads is not None and threads < 1:
+        raise CotserveError("--threads must be at least 1")
+    for ref in refs:  # a mistyped custom: path fails before any model loads or endpoint is called
+        check_suite(ref, ddir, data_source)
     cfg = EvalConfig(
         suites=refs, variants=variants, out=Path(out), data_dir=ddir, data_source=data_source, limit=limit,
         samples=samples, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
         code_limits=Limits(timeout_s=code_timeout, memory_mb=code_memory_mb), progress=progress, fresh=fresh,
         command="cotserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        redundancy_model=redundancy_model if redundancy else None, report_only=report_only,
     )
+    if report_only:
+        from cotserve.eval.backends import LogBackend
+        from cotserve.eval.threads import set_threads
+
+        cfg.threads = set_threads(threads)  # the redundancy embeddings run here
+        return run_eval(cfg, LogBackend(out))
     if endpoint:
         import os
 
@@ -64,11 +77,13 @@ def run_from_cli(*, suite: str, data_dir: str | None, data_source: str, endpoint
     else:
         from cotserve.engine.native import NativeEngine
         from cotserve.eval.backends import LocalBackend
+        from cotserve.eval.threads import set_threads
         from cotserve.models import load_model
         from cotserve.policies.registry import build_policy
 
         for v in variants:  # a bad policy or option fails before the model is loaded
             build_policy(v.policy, v.options)
+        cfg.threads = set_threads(threads)
         name = model or "smollm2-135m-instruct"
         backend = LocalBackend(NativeEngine(load_model(name, device=device, dtype=dtype), max_batch=max_batch), name)
     return run_eval(cfg, backend)

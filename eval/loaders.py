@@ -258,6 +258,20 @@ def load_suite(ref: SuiteRef, data_dir: Path | None, source: str = "local", limi
     return items
 
 
+def check_suite(ref: SuiteRef, data_dir: Path | None, source: str = "local") -> None:
+    """The cheap checks of `load_suite` (the file is there), run before a model is loaded."""
+    if ref.spec is None:
+        assert ref.path is not None
+        if not ref.path.is_file():
+            raise CotserveError(f"custom suite file {ref.path} does not exist")
+        return
+    if source == "local":
+        path = data_dir / ref.spec.file if data_dir is not None else None
+        if path is None or not path.is_file():
+            raise CotserveError(f"suite {ref.spec.name}: {ref.spec.file} not found in the data directory "
+                                f"({data_dir}); pass --data-dir or use --data-source hf")
+
+
 def _from_hf(suite: str, row: dict[str, Any]) -> dict[str, Any]:
     """Map a Hugging Face row onto the local schema where the names differ."""
     if suite == "aime24" and "problem" not in row and "Problem" in row:
@@ -271,10 +285,11 @@ def _load_custom(ref: SuiteRef) -> list[Item]:
         raise CotserveError(f"custom suite file {ref.path} does not exist")
     items = []
     for i, row in enumerate(read_jsonl(ref.path)):
-        for fld in (ref.question_field, ref.answer_field):
+        needed = (ref.question_field,) if ref.kind == "code" else (ref.question_field, ref.answer_field)
+        for fld in needed:  # code items are judged by their tests: no answer field
             if fld not in row:
                 raise CotserveError(f"{ref.path}: line {i + 1} has no field {fld!r} (fields: {', '.join(row)})")
-        answer = row[ref.answer_field]
+        answer = row.get(ref.answer_field, "")
         rid = str(row.get(ref.id_field, i))
         if ref.kind == "gsm8k":
             answer = gsm8k_final(str(answer))

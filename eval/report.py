@@ -50,6 +50,27 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     return {"mean": round(statistics.fmean(values), 2), "median": round(statistics.median(values), 2)}
 
 
+def _lat_stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "median": None, "p90": None, "n": 0}
+    v = sorted(values)
+    p90 = v[min(len(v) - 1, math.ceil(0.9 * len(v)) - 1)]
+    return {"mean": round(statistics.fmean(v), 3), "median": round(statistics.median(v), 3),
+            "p90": round(p90, 3), "n": len(v)}
+
+
+LATENCY_KEYS = ("queue_wait_s", "ttft_s", "decode_s", "latency_s")
+
+
+def latency(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-item latency stats (mean, median, p90) over the replies that recorded them."""
+    out = {}
+    for k in LATENCY_KEYS:
+        vals = [r["latency"][k] for r in records if isinstance((r.get("latency") or {}).get(k), (int, float))]
+        out[k] = _lat_stats([float(v) for v in vals])
+    return out
+
+
 def aggregate(records: list[dict[str, Any]], errors: int = 0, n_items: int = 0) -> dict[str, Any]:
     n = len(records)
     correct = sum(bool(r["correct"]) for r in records)
@@ -88,6 +109,9 @@ def aggregate(records: list[dict[str, Any]], errors: int = 0, n_items: int = 0) 
         "truncated": round(finish.get("length", 0) / n, 4) if n else None,
         "errors": errors,
         "telemetry": tele,
+        "latency": latency(records),
+        "extraction": _count(r.get("extraction") or "unrecorded" for r in records),
+        "timing_runs": _count(r.get("run_id") or "unrecorded" for r in records),
     }
     if thinks:
         out["reasoning_tokens"] = _stats([r.get("reasoning_tokens", 0) for r in records])
@@ -95,8 +119,16 @@ def aggregate(records: list[dict[str, Any]], errors: int = 0, n_items: int = 0) 
     return out
 
 
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def write_outputs(out: Path, records: list[dict[str, Any]], errors: dict[tuple[str, str], int],
-                  suites: list[str], variants, meta: dict[str, Any], n_items: dict[str, int]) -> dict[str, Any]:
+                  suites: list[str], variants, meta: dict[str, Any], n_items: dict[str, int],
+                  redundancy_model: str | None = None) -> dict[str, Any]:
     runs = []
     for s in suites:
         for v in variants:
@@ -104,11 +136,17 @@ def write_outputs(out: Path, records: list[dict[str, Any]], errors: dict[tuple[s
             agg = aggregate(recs, errors.get((s, v.label), 0), n_items.get(s, 0))
             runs.append({"suite": s, "policy": v.label, "spec": v.policy, "options": v.options, **agg})
     results = {"meta": meta, "suites": suites, "policies": [v.label for v in variants], "runs": runs}
+    from cotserve.eval.redundancy import maybe_report
+
+    red = maybe_report(records, suites, [v.label for v in variants], redundancy_model)
+    if red is not None:
+        results["redundancy"] = red
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    from cotserve.eval.plots import plot_accuracy_vs_tokens, plot_throughput
+    from cotserve.eval.plots import plot_accuracy_vs_tokens, plot_redundancy, plot_throughput
 
     plots = [p for p in (plot_accuracy_vs_tokens(results, out / "accuracy_vs_tokens.png"),
-                         plot_throughput(results, out / "throughput.png")) if p]
+                         plot_throughput(results, out / "throughput.png"),
+                         plot_redundancy(results, out / "redundancy.png")) if p]
     (out / "report.md").write_text(render_markdown(results, plots))
     return results
 
@@ -128,6 +166,72 @@ def _acc(run: dict[str, Any]) -> str:
     return f"{100 * run['accuracy']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def _methods(run: dict[str, Any]) -> str:
+    n = max(1, run["n"])
+    return "; ".join(f"{k} {100 * v / n:.0f}%" for k, v in run.get("extraction", {}).items()) or "–"
+
+
+def _mixed_note(results: dict[str, Any]) -> list[str]:
+    """A warning when the timing figures side by side were not all measured in this invocation."""
+    current = results["meta"].get("run_id")
+    runs = {k for r in results["runs"] for k in r.get("timing_runs", {})}
+    if not runs or runs == {current}:
+        return []
+    return ["> Timing figures (throughput, decode rate, wall time, latency) come from the runs named in the "
+            "row *timings measured in run* (run id and replies), not all from this invocation "
+            f"(`{current}`): a resumed or reused run. Compare columns only where those runs match.", ""]
+
+
+def _latency_section(results: dict[str, Any]) -> list[str]:
+    pols = results["policies"]
+    get = {(r["suite"], r["policy"]): r for r in results["runs"]}
+    lines = ["## Latency", "",
+             "Per reply, in seconds, mean / median / p90: queue wait (handed to the backend until its batch or "
+             "request started; through an endpoint also the server's own queue wait), time to first token and "
+             "total latency (both from the hand-over), decode (first token to last).", ""]
+    lines += _mixed_note(results)
+    names = {"queue_wait_s": "queue wait", "ttft_s": "time to first token", "decode_s": "decode",
+             "latency_s": "total latency"}
+    for s in results["suites"]:
+        rs = [get[(s, p)] for p in pols]
+        lines += [f"### {s}", "", "| latency s | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
+        for k in LATENCY_KEYS:
+            cells = []
+            for r in rs:
+                st = r.get("latency", {}).get(k) or {}
+                cells.append("–" if st.get("mean") is None else
+                             f"{st['mean']:.2f} / {st['median']:.2f} / {st['p90']:.2f}")
+            lines.append(f"| {names[k]} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _redundancy_section(results: dict[str, Any]) -> list[str]:
+    red = results.get("redundancy")
+    if not red:
+        return []
+    lines = ["## Reasoning redundancy", ""]
+    if red.get("error"):
+        return lines + [f"Not computed: {red['error']}", ""]
+    lines += [f"Sentence embeddings by `{red['model']}`; a pair of sentences of one reply is highly similar "
+              f"at cosine >= {red['threshold']}. Shares pooled over replies; non-execution thoughts are "
+              f"reflection and transition lines (SkipKV's thought rules). {red['sentences']} sentences "
+              f"embedded in {red['seconds']} s.", "",
+              "| suite | policy | replies | similar-pair share | (correct / incorrect) | non-execution share | "
+              "(correct / incorrect) |", "|---|---|---|---|---|---|---|"]
+
+    def pct(x: float | None) -> str:
+        return "–" if x is None else f"{100 * x:.1f}%"
+
+    for r in red["runs"]:
+        c, i = r["correct"], r["incorrect"]
+        lines.append(f"| {r['suite']} | {r['policy']} | {r['replies']} | {pct(r['similar_pair_share'])} | "
+                     f"{pct(c['similar_pair_share'])} / {pct(i['similar_pair_share'])} | "
+                     f"{pct(r['non_execution_share'])} | {pct(c['non_execution_share'])} / "
+                     f"{pct(i['non_execution_share'])} |")
+    return lines + [""]
+
+
 def render_markdown(results: dict[str, Any], plots: list[Path]) -> str:
     meta, pols, runs = results["meta"], results["policies"], results["runs"]
     gen, be = meta.get("generation", {}), meta.get("backend", {})
@@ -141,8 +245,14 @@ def render_markdown(results: dict[str, Any], plots: list[Path]) -> str:
     ]
     if meta.get("command"):
         lines.append(f"- command: `{meta['command']}`")
+    if meta.get("threads"):
+        lines.append(f"- torch CPU threads: {meta['threads']}")
     lines += ["", "Accuracy is pass@1 in % with its 95% Wilson interval. Throughput is generated tokens per "
-              "second of wall time; decode tok/s is the mean per-request decode rate.", ""]
+              "second of wall time; decode tok/s is the mean per-request decode rate. Answers are read only "
+              "where a reply states them (box, final-answer marker, or the last line of a reply that ended by "
+              "itself); *answer extraction* gives the share of replies per method, where `truncated` (cut at "
+              "max_tokens before a final answer) and `none` score 0.", ""]
+    lines += _mixed_note(results)
     get = {(r["suite"], r["policy"]): r for r in runs}
     lines += ["## Accuracy", "", "| suite | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
     for s in results["suites"]:
@@ -174,6 +284,9 @@ def render_markdown(results: dict[str, Any], plots: list[Path]) -> str:
             ("wall time s", [_fmt(r["wall_s"], 1) for r in rs]),
             ("errors", [str(r["errors"]) for r in rs]),
         ]
+        rows.append(("answer extraction (replies)", [_methods(r) for r in rs]))
+        rows.append(("timings measured in run", [", ".join(f"{k} ({v})" for k, v in r["timing_runs"].items())
+                                                 for r in rs]))
         tele_keys = sorted({k for r in rs for k in r["telemetry"]})
         for k in tele_keys:
             vals = [r["telemetry"].get(k) for r in rs]
@@ -183,6 +296,8 @@ def render_markdown(results: dict[str, Any], plots: list[Path]) -> str:
                 rows.append((f"{k} (mean)", [_fmt(v, 3) if isinstance(v, float) else _fmt(v) for v in vals]))
         lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
         lines.append("")
+    lines += _latency_section(results)
+    lines += _redundancy_section(results)
     if plots:
         lines += ["## Plots", ""]
         for p in plots:

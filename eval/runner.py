@@ -22,7 +22,7 @@ from typing import Any
 
 from cotserve.errors import CotserveError
 from cotserve.eval.backends import Job, Output
-from cotserve.eval.graders import grade
+from cotserve.eval.graders import GRADER_VERSION, grade
 from cotserve.eval.loaders import Item, SuiteRef, load_suite
 from cotserve.eval.prompts import build_prompt
 from cotserve.eval.sandbox import Limits
@@ -127,6 +127,10 @@ class EvalConfig:
     progress: bool = True
     fresh: bool = False
     command: str = ""
+    report_only: bool = False  # regrade and report what the log holds; generate nothing
+    threads: int | None = None  # local mode: torch CPU threads (recorded in the report)
+    redundancy_model: str | None = "all-MiniLM-L6-v2"  # None: no redundancy section
+    run_id: str = field(default_factory=lambda: time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}")
 
 
 def job_seed(base: int, suite: str, item_id: str, sample: int) -> int:
@@ -181,8 +185,6 @@ def _check_config(out: Path, backend_desc: dict[str, Any], cfg: EvalConfig) -> d
 def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
     """Run everything that is not in the log yet, then write results.json, report.md and plots.
     Returns the results dict."""
-    from cotserve.eval.report import write_outputs
-
     cfg.out.mkdir(parents=True, exist_ok=True)
     log_path = cfg.out / PREDICTIONS
     if cfg.fresh and log_path.exists():
@@ -202,34 +204,79 @@ def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
 
     with open(log_path, "a", encoding="utf-8") as log:
         _ensure_newline(log_path, log)
-        for name, items in suites.items():
-            by_id = {it.id: it for it in items}
-            for v in cfg.variants:
-                jobs = []
-                for it in items:
-                    for s in range(cfg.samples):
-                        key = (name, v.label, it.id, s)
-                        if key in done:
-                            continue
-                        jobs.append(Job(key, build_prompt(it), v.policy, v.options, cfg.max_tokens,
-                                        cfg.temperature, cfg.top_p, job_seed(cfg.seed, name, it.id, s)))
-                total = len(items) * cfg.samples
-                bar = _bar(total, total - len(jobs), f"{name} {v.label}", cfg.progress)
-                prior = [done[(name, v.label, it.id, s)] for it in items for s in range(cfg.samples)
-                         if (name, v.label, it.id, s) in done]
-                n_ok, n_all = sum(bool(r["correct"]) for r in prior), len(prior)
-                for out in backend.run(jobs):
-                    rec = _record(by_id[out.job.key[2]], v, out, cfg.code_limits)
-                    log.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                    log.flush()
-                    if rec.get("error") is None:
-                        done[out.job.key] = rec
-                        n_ok, n_all = n_ok + bool(rec["correct"]), n_all + 1
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(acc=f"{n_ok / n_all:.3f}" if n_all else "-")
+        _regrade(suites, done, log, cfg.code_limits)
+        try:
+            if not cfg.report_only:
+                _generate(cfg, backend, suites, done, log)
+        except KeyboardInterrupt:
+            drain = getattr(backend, "drain", None)
+            for out in drain() if drain else []:  # replies that finished after Ctrl-C are logged too
+                _log_output(out, suites, cfg, done, log)
+            n = sum(1 for _ in done)
+            print(f"\ninterrupted: {n} graded replies are in {log_path}; run the same command again to "
+                  "resume from there", file=sys.stderr)
+            raise
+    return _finish(cfg, suites, log_path, done)
+
+
+def _regrade(suites: dict[str, list[Item]], done: dict, log, limits: Limits) -> None:
+    """Replies logged by an older grader are graded again from their stored text (no generation);
+    the new grade is appended to the log, which keeps the last line per key."""
+    by_key = {(n, it.id): it for n, items in suites.items() for it in items}
+    for key, rec in list(done.items()):
+        it = by_key.get((key[0], key[2]))
+        if it is None or rec.get("grader") == GRADER_VERSION or "content" not in rec:
+            continue
+        g = grade(it, rec["content"], code_limits=limits, finish_reason=rec.get("finish_reason"))
+        rec = {**rec, "correct": bool(g.correct), "extracted": g.extracted, "grade_detail": g.detail,
+               "extraction": g.method, "grader": GRADER_VERSION, "regraded_from": rec.get("grader", "unversioned")}
+        log.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        done[key] = rec
+    log.flush()
+
+
+def _log_output(out: Output, suites: dict[str, list[Item]], cfg: EvalConfig, done: dict, log) -> dict[str, Any]:
+    name, label = out.job.key[0], out.job.key[1]
+    item = next(it for it in suites[name] if it.id == out.job.key[2])
+    v = next(v for v in cfg.variants if v.label == label)
+    rec = _record(item, v, out, cfg.code_limits, cfg.run_id)
+    log.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    log.flush()
+    if rec.get("error") is None:
+        done[out.job.key] = rec
+    return rec
+
+
+def _generate(cfg: EvalConfig, backend, suites: dict[str, list[Item]], done: dict, log) -> None:
+    for name, items in suites.items():
+        for v in cfg.variants:
+            jobs = []
+            for it in items:
+                for s in range(cfg.samples):
+                    key = (name, v.label, it.id, s)
+                    if key in done:
+                        continue
+                    jobs.append(Job(key, build_prompt(it), v.policy, v.options, cfg.max_tokens,
+                                    cfg.temperature, cfg.top_p, job_seed(cfg.seed, name, it.id, s)))
+            total = len(items) * cfg.samples
+            bar = _bar(total, total - len(jobs), f"{name} {v.label}", cfg.progress)
+            prior = [done[(name, v.label, it.id, s)] for it in items for s in range(cfg.samples)
+                     if (name, v.label, it.id, s) in done]
+            n_ok, n_all = sum(bool(r["correct"]) for r in prior), len(prior)
+            for out in backend.run(jobs):
+                rec = _log_output(out, suites, cfg, done, log)
+                if rec.get("error") is None:
+                    n_ok, n_all = n_ok + bool(rec["correct"]), n_all + 1
                 if bar is not None:
-                    bar.close()
+                    bar.update(1)
+                    bar.set_postfix(acc=f"{n_ok / n_all:.3f}" if n_all else "-")
+            if bar is not None:
+                bar.close()
+
+
+def _finish(cfg: EvalConfig, suites: dict[str, list[Item]], log_path: Path, done: dict) -> dict[str, Any]:
+    from cotserve.eval.report import write_outputs
+
     wanted = {(n, v.label, it.id, s) for n, items in suites.items() for v in cfg.variants for it in items
               for s in range(cfg.samples)}
     records = [r for k, r in done.items() if k in wanted]
@@ -237,24 +284,42 @@ def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
     conf = json.loads((cfg.out / RUN_CONFIG).read_text())
     meta = {"command": cfg.command, "generation": conf["generation"], "backend": conf["backend"],
             "samples": cfg.samples, "limit": cfg.limit, "data_source": cfg.data_source,
+            "threads": cfg.threads, "run_id": cfg.run_id, "grader": GRADER_VERSION,
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     return write_outputs(cfg.out, records, errors, [n for n in suites], cfg.variants, meta,
-                         {n: len(items) for n, items in suites.items()})
+                         {n: len(items) for n, items in suites.items()}, redundancy_model=cfg.redundancy_model)
 
 
-def _record(item: Item, v: Variant, out: Output, limits: Limits) -> dict[str, Any]:
+def latency_fields(out: Output) -> dict[str, float | None]:
+    """Per-item latency: queue wait (handed to the backend -> started running; through an endpoint
+    also the server's own queue wait from its telemetry), time to first token and total (both from
+    the hand-over), and decode time (first token -> last)."""
+    t_q = out.t_queued if out.t_queued is not None else out.t_start
+    server_wait = (out.telemetry or {}).get("queue_wait_s")
+    wait = max(0.0, out.t_start - t_q) + (float(server_wait) if isinstance(server_wait, (int, float)) else 0.0)
+    return {
+        "queue_wait_s": round(wait, 4),
+        "ttft_s": round(out.t_first - t_q, 4) if out.t_first is not None else None,
+        "decode_s": round(out.t_end - out.t_first, 4) if out.t_first is not None else None,
+        "latency_s": round(out.t_end - t_q, 4),
+    }
+
+
+def _record(item: Item, v: Variant, out: Output, limits: Limits, run_id: str = "") -> dict[str, Any]:
     suite, label, iid, sample = out.job.key
-    rec: dict[str, Any] = {"suite": suite, "policy": label, "id": iid, "sample": sample, "spec": v.policy}
+    rec: dict[str, Any] = {"suite": suite, "policy": label, "id": iid, "sample": sample, "spec": v.policy,
+                           "run_id": run_id}
     if out.error:
         rec.update(error=out.error, t_start=out.t_start, t_end=out.t_end)
         return rec
-    g = grade(item, out.content, code_limits=limits)
+    g = grade(item, out.content, code_limits=limits, finish_reason=out.finish_reason)
     rec.update(
-        correct=bool(g.correct), extracted=g.extracted, reference=item.answer if item.kind != "code" else None,
+        correct=bool(g.correct), extracted=g.extracted, extraction=g.method, grader=GRADER_VERSION,
+        reference=item.answer if item.kind != "code" else None,
         grade_detail=g.detail, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens, reasoning_tokens=out.reasoning_tokens,
         answer_tokens=max(0, out.completion_tokens - out.reasoning_tokens), thinks=out.reasoning is not None,
-        t_start=round(out.t_start, 4), t_end=round(out.t_end, 4), telemetry=out.telemetry,
+        t_start=round(out.t_start, 4), t_end=round(out.t_end, 4), latency=latency_fields(out), telemetry=out.telemetry,
         reasoning=out.reasoning, content=out.content,
     )
     return rec

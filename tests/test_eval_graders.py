@@ -104,3 +104,69 @@ def test_output_comparison():
     assert not stdout_matches("YES\n", "NO\n")
     assert values_equal([1, [2, 3]], [1, [2, 3]]) and not values_equal([1, 2], [2, 1])
     assert values_equal(0.30000000000000004, 0.3) and not values_equal(True, [True])
+
+
+# -- graders that refuse to guess ---------------------------------------------------------------
+
+TRUNCATED_GSM8K = (  # a reply cut at max_tokens mid-list: the list marker "6" must not count
+    "First, find the distance of each leg.\n1. Monday: 2 miles\n2. Tuesday: 3 miles\n"
+    "3. Wednesday: 1 mile\n4. Thursday: 0 miles\n5. Friday: 0 miles\n6. Now, calculate the total distance"
+)
+
+
+@pytest.mark.parametrize("reply,finish,gold,ok,method", [
+    (TRUNCATED_GSM8K, "length", "6", False, "truncated"),
+    (TRUNCATED_GSM8K, "stop", "6", False, "none"),  # even when it stopped: a list item is no answer
+    ("Each box holds 20 and there are 3 boxes.\nFinal answer: 20 * 3", "stop", "20", False, "marker"),
+    ("Each box holds 20 and there are 3 boxes.\nFinal answer: 20 * 3", "stop", "60", True, "marker"),
+    ("We add them: \\boxed{5+13=18}", "stop", "18", True, "boxed"),
+    ("We add them: \\boxed{5+13=18}", "stop", "5", False, "boxed"),
+    ("Step 1: read\nStep 2: add\nStep 3: compute", "stop", "3", False, "none"),
+    ("She has 5 + 13 = 18", "stop", "18", False, "none"),  # a calculation line is not a statement
+    ("Adding 5 and 13 she ends with 18 apples.", "stop", "18", True, "last_line"),
+    ("Adding 5 and 13 she ends with 18 apples.", "length", "18", False, "truncated"),
+    ("So far 5 + 13 = 18, then\n#### 18", "length", "18", True, "marker"),  # cut after stating it
+    ("The answer is: $1,018.", "stop", "1018", True, "marker"),
+    ("**Final Answer**\n$18$", "stop", "18", True, "marker"),
+    ("The answer is 18 and then 2 more", "stop", "18", False, "marker"),  # two numbers: judged whole
+])
+def test_gsm8k_refuses_to_guess(reply, finish, gold, ok, method):
+    g = grade_gsm8k(reply, gold, finish)
+    assert (g.correct, g.method) == (ok, method), g
+
+
+@pytest.mark.parametrize("reply,finish,gold,ok,method", [
+    ("Step 1: set up\nStep 2: solve\nStep 3: compute", "stop", "3", False, "none"),
+    ("We simplify $x^2 = 9$ so x = 3 and", "length", "3", False, "truncated"),
+    ("\\boxed{5+13=18}", "stop", "18", True, "boxed"),
+    ("The final answer is $\\frac{1}{2}$.", "stop", "0.5", True, "marker"),
+    ("Therefore the ratio is $\\frac{1}{2}$", "stop", "\\frac{1}{2}", True, "last_line"),
+])
+def test_math_refuses_to_guess(reply, finish, gold, ok, method):
+    g = grade_math(reply, gold, finish)
+    assert (g.correct, g.method) == (ok, method), g
+
+
+@pytest.mark.parametrize("reply,finish,letter,method", [
+    ("A) 2.5 eV", "stop", "A", "option_line"),
+    ("(C) the second isomer", "stop", "C", "option_line"),
+    ("answer: c", "stop", "C", "marker"),
+    ("After all that, the answer is b.", "stop", "B", "marker"),
+    ("A) x\nB) y\nC) z\nD) w", "stop", None, "none"),  # the options listed, none chosen
+    ("Consider (A) first, then", "length", None, "truncated"),
+    ("It must be so. Answer: D", "length", "D", "marker"),
+])
+def test_multiple_choice_forms_and_refusals(reply, finish, letter, method):
+    from cotserve.eval.graders.gpqa import extract_letter_method
+
+    assert extract_letter_method(reply, finish) == (letter, method)
+
+
+def test_grade_records_the_extraction_method_for_every_kind():
+    item = Item("g", "1", "gsm8k", "q", "18")
+    assert grade(item, "#### 18", finish_reason="stop").method == "marker"
+    assert grade(item, "and 1. then 2. then", finish_reason="length").method == "truncated"
+    mc = Item("mc", "1", "gpqa", "q", "B", {"choices": ["w", "x", "y", "z"]})
+    assert grade(mc, "B) x", finish_reason="stop").method == "option_line"
+    ex = Item("e", "1", "exact", "q", "yes")
+    assert grade(ex, "The answer is yes", finish_reason="stop").correct

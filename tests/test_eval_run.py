@@ -39,6 +39,9 @@ class Recording:
     def check(self, policy, options):
         self.inner.check(policy, options)
 
+    def drain(self):
+        return self.inner.drain()
+
     def run(self, jobs):
         self.asked.extend(j.key for j in jobs)
         for n, out in enumerate(self.inner.run(jobs), 1):
@@ -50,7 +53,8 @@ class Recording:
 def config(out, data_dir, suites=ALL, policy="dense", limit=3, **kw) -> EvalConfig:
     return EvalConfig(suites=parse_suites(suites), variants=parse_variants(policy), out=out, data_dir=data_dir,
                       limit=limit, max_tokens=kw.pop("max_tokens", MAX_TOKENS), progress=False,
-                      code_limits=Limits(timeout_s=3.0, memory_mb=512), **kw)
+                      code_limits=Limits(timeout_s=3.0, memory_mb=512),
+                      redundancy_model=kw.pop("redundancy_model", None), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def local(engine):
 def full_run(local, data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_all")
     rec = Recording(local)
-    results = run_eval(config(out, data_dir), rec)
+    results = run_eval(config(out, data_dir, redundancy_model="all-MiniLM-L6-v2"), rec)
     return out, results, rec
 
 
@@ -148,7 +152,7 @@ def test_interrupted_side_by_side_run_resumes(local, data_dir, tmp_path):
 def make_app(engine, seen: list):
     """A minimal OpenAI-compatible chat-completions app over the real engine (test helper)."""
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     from cotserve.engine.native import GenRequest
     from cotserve.engine.sampling import SamplingParams
@@ -175,6 +179,8 @@ def make_app(engine, seen: list):
         ids = engine.apply_chat_template(body["messages"])
         params = SamplingParams(max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 0.0),
                                 seed=body.get("seed"))
+        if body.get("stream"):
+            return StreamingResponse(sse(GenRequest(ids, params), cs, body["model"]), media_type="text/event-stream")
         with lock:
             (res,) = engine.generate([GenRequest(ids, params)], cs.get("policy", "dense"), cs.get("options"))
         reasoning, content = split_reasoning(res.text)
@@ -186,6 +192,27 @@ def make_app(engine, seen: list):
                       "total_tokens": res.prompt_tokens + res.completion_tokens},
             "cotserve": res.telemetry,
         }
+
+    def sse(req, cs, model):
+        """OpenAI chat-completion chunks, one per engine step, usage and telemetry in the last."""
+        def chunk(delta, finish=None, **extra):
+            body = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
+        with lock:
+            yield chunk({"role": "assistant", "content": ""})
+            for deltas in engine.stream([req], cs.get("policy", "dense"), cs.get("options")):
+                for d in deltas:
+                    if d.text:
+                        yield chunk({"content": d.text})
+                    if d.result is not None:
+                        res = d.result
+                        yield chunk({}, res.finish_reason, cotserve=res.telemetry)
+                        usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+                                 "total_tokens": res.prompt_tokens + res.completion_tokens}
+                        yield (f"data: {json.dumps({'id': 'chatcmpl-test', 'object': 'chat.completion.chunk', 'created': 0, 'model': model, 'choices': [], 'usage': usage, 'cotserve': res.telemetry})}\n\n")
+        yield "data: [DONE]\n\n"
 
     return app
 
@@ -223,6 +250,22 @@ def test_endpoint_mode_carries_the_policy_per_request(server, data_dir, tmp_path
     assert all(0 < r["completion_tokens"] <= 12 for r in recs)
     assert [(r["policy"], r["n"], r["errors"]) for r in res["runs"]] == [("a", 2, 0), ("b", 2, 0)]
     assert json.loads((tmp_path / "run_config.json").read_text())["backend"]["mode"] == "endpoint"
+    for r in recs:  # streamed: its own first-token time, inside its own latency
+        lat = r["latency"]
+        assert 0 <= lat["queue_wait_s"] <= lat["ttft_s"] <= lat["latency_s"]
+        assert lat["decode_s"] == pytest.approx(lat["latency_s"] - lat["ttft_s"], abs=2e-3)
+    assert "## Latency" in (tmp_path / "report.md").read_text()
+
+
+def test_ctrl_c_in_endpoint_mode_keeps_replies_in_flight(server, data_dir, tmp_path):
+    """Stopped after the first reply, with up to two requests in flight (concurrency 2; the pool may
+    have started the next one already): those are awaited and logged, the ones not started dropped."""
+    url, _ = server
+    rec = Recording(EndpointBackend(url, None, "bundled", concurrency=2), stop_after=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(config(tmp_path, data_dir, suites="gsm8k", limit=4, max_tokens=8), rec)
+    logged = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert 2 <= len(logged) <= 3 and all(r.get("error") is None for r in logged)
 
 
 def test_endpoint_refusing_a_policy_stops_the_run(server, data_dir, tmp_path):
@@ -254,6 +297,29 @@ def test_cli_bad_input_is_one_error_line(args, message, tmp_path, data_dir):
     assert "Traceback" not in r.stderr
 
 
+def test_cli_mistyped_custom_path_fails_before_loading_the_model(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "cotserve.cli", "eval", "--suite", f"custom:{tmp_path}/nope.jsonl",
+                        "--out", str(tmp_path / "o"), "--model", str(tmp_path / "no-such-model")],
+                       capture_output=True, text=True, timeout=120)
+    # the model path is bad too: the suite error comes first, so no model was loaded
+    assert r.returncode == 2 and "nope.jsonl does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_local_replies_carry_their_own_latency(full_run):
+    out, results, _ = full_run
+    recs = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    for r in recs:
+        lat = r["latency"]
+        assert 0 <= lat["queue_wait_s"] <= lat["ttft_s"] <= lat["latency_s"]
+        assert r["extraction"] and r["grader"] and r["run_id"] == results["meta"]["run_id"]
+    assert all(r["latency"]["ttft_s"]["n"] == r["n"] for r in results["runs"])
+    report = (out / "report.md").read_text()
+    assert "## Latency" in report and "answer extraction" in report and "Timing figures" not in report
+    red = results["redundancy"]
+    assert red["model"] == "all-MiniLM-L6-v2" and len(red["runs"]) == 5 and "## Reasoning redundancy" in report
+    assert (out / "redundancy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_runs_a_custom_suite_and_resumes(tmp_path):
     """The whole command in a subprocess on a made-up custom suite (tiny max-tokens)."""
     data = tmp_path / "arith.jsonl"
@@ -261,7 +327,8 @@ def test_cli_runs_a_custom_suite_and_resumes(tmp_path):
                             for i in (1, 2)))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "cotserve.cli", "eval", "--suite", f"custom:{data}:q:a:gsm8k:uid",
-           "--max-tokens", "4", "--out", str(out), "--no-progress", "--device", "cpu", "--dtype", "float32"]
+           "--max-tokens", "4", "--out", str(out), "--no-progress", "--no-redundancy", "--device", "cpu",
+           "--dtype", "float32", "--threads", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("custom:arith") and "n=2" in r.stdout
@@ -321,3 +388,39 @@ def test_cli_api_completions_needs_an_endpoint(tmp_path):
     r = subprocess.run([sys.executable, "-m", "cotserve.cli", "eval", "--suite", "gsm8k", "--api", "completions",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--api completions needs --endpoint" in r.stderr
+
+
+def test_report_only_regrades_old_replies_without_generating(data_dir, tmp_path):
+    """A log graded by the first grader (which took the last number of a truncated reply): the
+    report-only pass regrades every reply from its stored text, generates nothing, and the
+    truncated ones that were counted correct are no longer."""
+    from cotserve.eval.backends import LogBackend
+    from cotserve.eval.graders import GRADER_VERSION
+    from cotserve.eval.loaders import load_suite
+
+    items = load_suite(parse_suites("gsm8k")[0], data_dir, "local", 3)
+    (tmp_path / "run_config.json").write_text(json.dumps({
+        "generation": {"model": "m", "endpoint": None, "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 0},
+        "variants": {"dense": {"policy": "dense", "options": {}}}, "backend": {"mode": "local", "model": "m"}}))
+    replies = [  # (content, finish reason): cut mid-list / mid-calculation, then a finished one
+        (f"1. First leg\n2. Second leg\n{items[0].answer}. Now, calculate the total distance", "length"),
+        (f"So far {items[1].answer} * 3", "length"),
+        (f"Adding everything up.\nThe answer is {items[2].answer}", "stop"),
+    ]
+    with open(tmp_path / "predictions.jsonl", "w") as f:
+        for it, (content, finish) in zip(items, replies, strict=True):
+            f.write(json.dumps({"suite": "gsm8k", "policy": "dense", "id": it.id, "sample": 0, "spec": "dense",
+                                "correct": True, "extracted": it.answer, "reference": it.answer,
+                                "finish_reason": finish, "completion_tokens": 16, "prompt_tokens": 50,
+                                "reasoning_tokens": 0, "t_start": 1.0, "t_end": 2.0, "telemetry": {},
+                                "reasoning": None, "content": content}) + "\n")
+    cfg = config(tmp_path, data_dir, suites="gsm8k", limit=3, report_only=True)
+    cfg.variants[0].options = {}
+    res = run_eval(cfg, LogBackend(tmp_path))
+    (run,) = res["runs"]
+    assert run["n"] == 3 and run["correct"] == 1
+    assert run["extraction"] == {"truncated": 2, "marker": 1}
+    last = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()][-3:]
+    assert all(r["grader"] == GRADER_VERSION and r["regraded_from"] == "unversioned" for r in last)
+    with pytest.raises(CotserveError, match="generates nothing"):
+        list(LogBackend(tmp_path).run([object()]))

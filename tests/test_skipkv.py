@@ -157,6 +157,15 @@ def test_memory_stays_below_budget_plus_interval(forced_run):
     per_entry = 2 * pol.batch.info.num_layers * pol.batch.info.num_kv_heads * pol.batch.info.head_dim * 4
     assert tele["kv_bytes_peak"] <= bound * per_entry
     assert tele["evicted_tokens"] == len(r["prompt"]) + len(r["forced"]) - 1 - int(pol.batch.cache.lens[0, 0])
+    held = int(pol.batch.cache.lens[0, 0])
+    assert tele["retained_ratio"] == round(held / (held + tele["evicted_tokens"]), 4) < 1.0
+
+
+def test_retained_ratio_is_one_without_eviction(engine):
+    """Nothing evicted (a budget above prompt + reply): every entry kept, ratio exactly 1."""
+    ids = engine.encode_prompt("Name a colour.")
+    (res,) = engine.generate([GenRequest(ids, SamplingParams(max_tokens=6))], "skipkv", {"budget": 4096})
+    assert res.telemetry["evicted_tokens"] == 0 and res.telemetry["retained_ratio"] == 1.0
 
 
 def test_redundant_copy_goes_first_during_decode(forced_run):

@@ -199,8 +199,8 @@ class BudgetEviction(Policy):
 
     def telemetry(self, slot: int) -> dict[str, Any]:
         self._follow_thoughts(slot)
-        total = len(self.batch.tokens[slot])
         held = int(self.batch.cache.lens[:, slot].max())
+        total = held + self.evicted[slot]  # entries that entered the cache (the last sampled token never does)
         out: dict[str, Any] = {
             "kv_budget": self.config.budget,
             "compactions": self.compactions[slot],

@@ -5,32 +5,39 @@ from __future__ import annotations
 from cotserve.eval.graders.base import Grade
 from cotserve.eval.loaders import Item
 
+# Stored with every graded reply; replies graded by another version are graded again from their
+# stored text when a run is resumed (no new generation).
+GRADER_VERSION = "2"
 
-def grade(item: Item, text: str, code_limits=None) -> Grade:
-    """Grade a model reply (the answer part; reasoning may be included, graders look at the end)."""
+
+def grade(item: Item, text: str, code_limits=None, finish_reason: str | None = None) -> Grade:
+    """Grade a model reply (the answer part; reasoning may be included, graders look at the end).
+    `finish_reason` "length" (cut at max_tokens) makes graders refuse to read an answer that is
+    not stated as one (see `cotserve.eval.graders.final`)."""
     if item.kind == "math":
         from cotserve.eval.graders.math import grade_math
 
-        return grade_math(text, item.answer)
+        return grade_math(text, item.answer, finish_reason)
     if item.kind == "gsm8k":
         from cotserve.eval.graders.gsm8k import grade_gsm8k
 
-        return grade_gsm8k(text, item.answer)
+        return grade_gsm8k(text, item.answer, finish_reason)
     if item.kind == "gpqa":
         from cotserve.eval.graders.gpqa import grade_gpqa
 
-        return grade_gpqa(text, item.answer)
+        return grade_gpqa(text, item.answer, finish_reason)
     if item.kind == "code":
         from cotserve.eval.graders.code import grade_code
 
         return grade_code(text, item.meta, limits=code_limits)
     if item.kind == "exact":
-        from cotserve.eval.graders.math import extract_boxed
+        from cotserve.eval.graders.final import find_final
 
-        pred = extract_boxed(text)
-        pred = pred if pred is not None else text.strip().splitlines()[-1] if text.strip() else ""
-        return Grade(" ".join(pred.split()) == " ".join(item.answer.split()), pred)
+        fin = find_final(text, finish_reason)
+        if fin.text is None:
+            return Grade(False, None, "no final answer", fin.method)
+        return Grade(" ".join(fin.text.split()) == " ".join(item.answer.split()), fin.text, "", fin.method)
     raise ValueError(f"no grader for kind {item.kind!r}")
 
 
-__all__ = ["Grade", "grade"]
+__all__ = ["GRADER_VERSION", "Grade", "grade"]

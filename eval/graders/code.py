@@ -106,6 +106,7 @@ def _last_line(text: str) -> str:
 def grade_code(text: str, meta: dict[str, Any], limits: Limits | None = None) -> Grade:
     code = extract_code(text)
     if code is None:
-        return Grade(False, None, "no code block")
+        return Grade(False, None, "no code block", "none")
     ok, detail = run_tests(code, meta, limits)
-    return Grade(ok, code, detail)
+    closed = text.rstrip().endswith("```") or text.count("```") % 2 == 0
+    return Grade(ok, code, detail, "code_block" if closed else "unterminated_block")

@@ -1,9 +1,11 @@
-"""GSM8K: numeric comparison of the model's final number with the reference integer.
+"""GSM8K (and any integer/decimal answer): the reply's final answer compared with the reference.
 
-The prediction is, in order of preference: the last `\\boxed{}`, the number after the last
-`####`, the number after the last "answer is"/"Answer:", else the last number in the reply.
-Thousands separators, `$`, `%` and trailing units/periods are ignored; equality is numeric
-(`18`, `18.0`, `$18.00` all match `18`)."""
+The answer is read only where the reply states it (`cotserve.eval.graders.final`): a box, a
+final-answer marker, or the last line of a reply that ended by itself; a reply cut at max_tokens
+without one scores 0. The stated answer is judged whole: a single number (thousands separators,
+`$`, `%` and trailing units ignored) is compared numerically (`18`, `18.0`, `$18.00` all match
+`18`); anything else (`5+13=18`, `20 * 3`) is parsed and checked by math-verify as one
+expression (`5+13=18` -> 18, `20 * 3` -> 60), never by its first or last number."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from cotserve.eval.graders.base import Grade
-from cotserve.eval.graders.math import extract_boxed
+from cotserve.eval.graders.final import find_final
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_ANSWER_IS = re.compile(r"(?i)(?:answer\s*(?:is|:)|####)\s*:?\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)")
+_OPS = re.compile(r"=|\d\s*[-+*/\u00d7\u00f7^x]\s*\(?-?\d|\\times|\\div|\\cdot|\\frac")
 
 
 def to_number(text: str) -> Decimal | None:
@@ -36,22 +38,42 @@ def to_number(text: str) -> Decimal | None:
         return None
 
 
-def extract_number(text: str) -> str | None:
-    boxed = extract_boxed(text)
-    if boxed is not None and to_number(boxed) is not None:
-        return boxed
-    hits = _ANSWER_IS.findall(text)
-    if hits:
-        return hits[-1]
-    nums = _NUM.findall(text)
-    return nums[-1] if nums else None
+def single_number(text: str) -> Decimal | None:
+    """The number when `text` states exactly one and no calculation (`$1,234.50 total`), else None."""
+    s = text.replace("\\!", "").replace("\\,", "").replace("\\$", "$").replace("\\%", "%")
+    if _OPS.search(s):
+        return None
+    nums = _NUM.findall(s)
+    if len(nums) != 1:
+        return None
+    try:
+        return Decimal(nums[0].replace(",", ""))
+    except InvalidOperation:
+        return None
 
 
-def grade_gsm8k(text: str, gold: str) -> Grade:
-    pred = extract_number(text)
-    if pred is None:
-        return Grade(False, None, "no number found")
-    p, g = to_number(pred), to_number(gold)
-    if p is None or g is None:
-        return Grade(False, pred, "not a number")
-    return Grade(abs(p - g) <= Decimal("1e-6") * max(Decimal(1), abs(g)), pred)
+def number_equal(pred: str, gold: str) -> tuple[bool, str]:
+    """(equal, how): a single number numerically, else the whole expression by math-verify."""
+    g = to_number(gold)
+    p = single_number(pred)
+    if p is not None and g is not None:
+        return abs(p - g) <= Decimal("1e-6") * max(Decimal(1), abs(g)), "number"
+    from cotserve.eval.graders.math import math_equal
+
+    return math_equal(gold, pred), "math-verify"
+
+
+def extract_number(text: str, finish_reason: str | None = None) -> str | None:
+    """The stated final answer (see the module doc), or None."""
+    return find_final(text, finish_reason).text
+
+
+def grade_gsm8k(text: str, gold: str, finish_reason: str | None = None) -> Grade:
+    fin = find_final(text, finish_reason)
+    if fin.text is None:
+        detail = "cut at max_tokens before a final answer" if fin.method == "truncated" else "no final answer"
+        return Grade(False, None, detail, fin.method)
+    if fin.method == "last_line" and not _NUM.search(fin.text):
+        return Grade(False, None, "no final answer", "none")
+    ok, how = number_equal(fin.text, gold)
+    return Grade(ok, fin.text, how, fin.method)
