@@ -63,6 +63,7 @@ class DensePolicy(Policy):
     config_cls = DenseConfig
     config: DenseConfig
     graph_safe = True  # on CUDA the engine's default (Triton) step runs
+    prefill_shareable = True  # no per-sequence state from the prefill: n copies can share one
 
     def begin(self, batch: BatchState) -> None:
         cache = batch.cache
