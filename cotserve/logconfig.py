@@ -44,7 +44,10 @@ class JsonFormatter(logging.Formatter):
         out: dict[str, Any] = {"time": _utc(record), "level": record.levelname, "logger": record.name,
                                "message": record.getMessage()}
         for key, value in vars(record).items():
-            if key not in _STANDARD and not key.startswith("_"):
+            # the fields a caller passed in `extra` (plain values; libraries that tag every record
+            # with their own objects, such as litellm's redaction marker, are left out)
+            if key not in _STANDARD and not key.startswith("_") and isinstance(
+                    value, (str, int, float, bool, type(None), list, dict)):
                 out[key] = value
         if record.exc_info:
             out["exc_info"] = self.formatException(record.exc_info)

@@ -108,7 +108,8 @@ def test_grades_in_the_log_match_the_graders(full_run, data_dir):
     items = {(i.suite, i.id): i for ref in parse_suites(ALL) for i in load_suite(ref, data_dir, limit=3)}
     for line in (out / "predictions.jsonl").read_text().splitlines():
         r = json.loads(line)
-        g = grade(items[(r["suite"], r["id"])], r["content"], code_limits=Limits(timeout_s=3.0, memory_mb=512))
+        g = grade(items[(r["suite"], r["id"])], r["content"], code_limits=Limits(timeout_s=3.0, memory_mb=512),
+                  finish_reason=r.get("finish_reason"))
         assert g.correct == r["correct"] and g.extracted == r["extracted"]
 
 

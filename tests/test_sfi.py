@@ -262,7 +262,8 @@ def test_dense_head_fallback_reads_the_whole_history(engine):
     prompts = [engine.encode_prompt(p) for p in PROMPTS]
     dense = _run(engine, prompts, "dense")
     forced = [r.token_ids for r in dense]
-    sparse = {"recent": 6, "k": 8, "max_interval": 6}
+    # the windows the fallback was built with (its instability score compares several query rows)
+    sparse = {"recent": 6, "k": 8, "max_interval": 6, "obs_window": 8, "prefill_window": 8, "min_gap": 32, "cooldown": 4}
     every = _run(engine, prompts, "sfi", {**sparse, "dense_heads": 1.0, "dense_min": 0.0}, forced)
     for d, s in zip(dense, every, strict=True):
         assert s.greedy_ids == d.greedy_ids

@@ -296,7 +296,7 @@ def test_average_precision_counts_ties_as_one_block_and_a_constant_gets_the_base
     # a positive tied with negatives gets the precision at the end of its block
     assert average_precision(np.array([2.0, 1.0, 1.0, 0.0]), np.array([0, 1, 0, 1])) == pytest.approx(
         (1 / 3 + 2 / 4) / 2)
-    from cotserve.policies.sinkrouter_calibration import group_base_rate
+    from cotserve.sinkrouter_calibration import group_base_rate
 
     layer = np.array([0, 0, 1, 1, 1, 1])
     group = np.zeros(6, dtype=int)

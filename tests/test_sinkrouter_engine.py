@@ -46,7 +46,7 @@ def test_fitted_tau_on_held_out_text_and_the_held_out_baselines(engine, small_ca
     """The fit's skip ratio on its own records is exact by construction; on text it never saw
     (records after an offset) the realised skip must stay near the target, and more skipping must
     be asked for by the higher target. The report's held-out comparison scores the same text."""
-    from cotserve.policies.sinkrouter_calibration import (
+    from cotserve.sinkrouter_calibration import (
         average_precision,
         collect,
         group_base_rate,

@@ -205,7 +205,7 @@ def check_calibration(cal: Calibration, model_name: str, num_layers: int, num_kv
     """Refuse a calibration made for another policy setting: another model (by slug), other
     layer / KV-group counts, or other never-routed first layers (the file's Platt maps and tau
     were fitted on layers >= its `first_layers`; elsewhere they are undefined)."""
-    from cotserve.models import model_slug
+    from cotserve.model_names import model_slug
 
     fix = f"run `{CALIBRATE_CMD.format(model=model_name)}`"
     if cal.num_layers != num_layers or cal.num_kv_heads != num_kv_heads:

@@ -18,7 +18,31 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cotserve.eval.graders.math import extract_boxed
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces matched; `\\boxed 5` too."""
+    for start in sorted((m.start() for m in _BOX.finditer(text)), reverse=True):
+        m = _BOX.match(text, start)
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1 : j].strip()
+            continue  # unbalanced (cut off by max_tokens): try an earlier box
+        if m.group(0).endswith(" "):  # `\\boxed 5`
+            word = re.match(r"[^\s$]+", text[i:])
+            if word:
+                return word.group(0)
+    return None
+
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+
 
 MARKER = re.compile(
     r"(?i)(?:####|\bfinal\s+answer\b(?:\s+is)?|\bthe\s+(?:correct\s+)?answer\s+is\b|\banswer\s*:)"

@@ -4,35 +4,10 @@ mathematical equivalence with the reference by `math-verify` (Hugging Face), so 
 
 from __future__ import annotations
 
-import re
 import threading
 
 from cotserve.eval.graders.base import Grade
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces matched; `\\boxed 5` too."""
-    for start in sorted((m.start() for m in _BOX.finditer(text)), reverse=True):
-        m = _BOX.match(text, start)
-        i = m.end()
-        if i < len(text) and text[i] == "{":
-            depth = 0
-            for j in range(i, len(text)):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1 : j].strip()
-            continue  # unbalanced (cut off by max_tokens): try an earlier box
-        if m.group(0).endswith(" "):  # `\\boxed 5`
-            word = re.match(r"[^\s$]+", text[i:])
-            if word:
-                return word.group(0)
-    return None
-
-
-_BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+from cotserve.eval.graders.final import extract_boxed, find_final  # noqa: F401 (extract_boxed is part of this module's API)
 
 
 def _timeouts() -> dict[str, int | None]:
@@ -67,7 +42,6 @@ def grade_math(text: str, gold: str, finish_reason: str | None = None) -> Grade:
     """Correct when the stated final answer (`cotserve.eval.graders.final`: the last box, else a
     final-answer marker, else the last line of a reply that ended by itself) equals the reference
     as a whole expression. A reply cut at max_tokens without one scores 0."""
-    from cotserve.eval.graders.final import find_final
 
     fin = find_final(text, finish_reason)
     if fin.text is None:
