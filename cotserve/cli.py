@@ -270,8 +270,15 @@ def serve(
                                                   "template uses <think>).")] = "auto",
     served_model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: the model's "
                                                           "short name).")] = None,
-    queue_timeout: Annotated[float | None, typer.Option(help="Seconds a request may wait for a worker before "
-                                                        "it fails with 503 (default: no limit).")] = None,
+    queue_timeout: Annotated[float, typer.Option(help="Seconds a request's job may wait without a worker (queued, or "
+                                                 "its worker lost) before the request ends with a 503 "
+                                                 "queue_timeout error; 0 = no limit.")] = 300.0,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted; a larger one gets 413 before it "
+                                                "is read.")] = 4 * 1024 * 1024,
+    keepalive: Annotated[float, typer.Option(help="Seconds between SSE keep-alive comments while a stream waits "
+                                             "for tokens.")] = 15.0,
+    queue_outage: Annotated[float, typer.Option(help="Seconds in-flight requests ride out an unreachable Redis "
+                                                "(retrying with backoff) before they fail with 503.")] = 30.0,
     threads: ThreadsOpt = None,
     log_level: Annotated[str | None, typer.Option(help="The global --log-level, given after the command.")] = None,
     device: DeviceOpt = "auto",
@@ -284,11 +291,17 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (gateway + in-process queue and worker by default)."""
     try:
+        from cotserve.gateway.auth import check_bind, load_keys
+
+        check_bind(host, load_keys(api_key_file), insecure)  # before anything slow is loaded
         from cotserve.gateway.server import EngineArgs, ServeArgs, run_serve
         from cotserve.policies.registry import parse_options
 
         if max_queue < 1 or max_batch < 1:
             raise CotserveError("--max-queue and --max-batch must be at least 1")
+        if max_body_bytes < 1024 or keepalive <= 0 or queue_timeout < 0 or queue_outage < 0:
+            raise CotserveError("--max-body-bytes must be at least 1024, --keepalive positive, --queue-timeout and "
+                                "--queue-outage at least 0")
         if log_level is not None:
             try:
                 logconfig.configure(log_level, logconfig.current()[1])
@@ -298,7 +311,8 @@ def serve(
                          redis_url=redis_url, key_prefix=key_prefix, api_key_file=api_key_file, insecure=insecure,
                          max_pending=max_queue, default_max_tokens=default_max_tokens,
                          default_temperature=default_temperature, served_model_name=served_model_name,
-                         queue_timeout=queue_timeout, log_level=logconfig.current()[0], generation_config=generation_config,
+                         queue_timeout=queue_timeout or None, max_body_bytes=max_body_bytes, keepalive_s=keepalive,
+                         queue_outage_s=queue_outage, log_level=logconfig.current()[0], generation_config=generation_config,
                          max_model_len=max_model_len, tool_call_parser=tool_call_parser,
                          reasoning_parser=reasoning_parser)
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
+_PATH = re.compile(r"(?<![\w.:/])(?:~|\.{1,2})?(?:/[\w.+@=,-]+){2,}/?")
+
+
+def redact_paths(text: str) -> str:
+    """`text` with every file path shortened to its last part (messages sent to clients name no
+    server paths)."""
+    return _PATH.sub(lambda m: "<" + m.group(0).rstrip("/").rpartition("/")[2] + ">", text)
+
 
 class CotserveError(Exception):
     """Base class: the message is meant for the user, no traceback needed."""

@@ -28,9 +28,9 @@ from typing import Any
 
 from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
-from cotserve.errors import CotserveError, RequestError
+from cotserve.errors import CotserveError, PolicyError, RequestError, redact_paths
 from cotserve.policies.registry import build_policy
-from cotserve.queue.base import Job, JobQueue
+from cotserve.queue.base import Job, JobQueue, QueueUnavailable
 
 log = logging.getLogger("cotserve.worker")
 # One line per finished request (done, cancelled or failed); its fields also go to JSON logs.
@@ -160,15 +160,37 @@ class Worker:
         for j in jobs:
             by_key.setdefault(j.key, []).append(j)
         for group in by_key.values():
-            try:
-                self._run_same_policy(group)
-            except Exception as exc:  # never let one bad batch kill the worker
-                log.exception("batch failed")
-                for j in group:
-                    self._error(j, 500, "server_error", f"the worker failed on this batch: {type(exc).__name__}: {exc}")
+            self._run_guarded(group)
             self.jobs_done += len(group)
 
-    def _run_same_policy(self, jobs: list[Job]) -> None:
+    def _run_guarded(self, group: list[Job], alone: bool = False) -> None:
+        """Run one policy group; a failure fails only the request that causes it: a policy that
+        cannot run (every job of the group shares its options) is a 400 for each, any other error
+        runs the group's requests again one by one (each resumes after what it already streamed),
+        so only the one that fails alone gets the 500. Messages name no server path."""
+        try:
+            self._run_same_policy(group, resume_all=alone)
+        except QueueUnavailable:
+            raise  # the queue is gone: the jobs stay claimed and their leases bring them back
+        except CotserveError as exc:
+            status, code = (400, "invalid_policy") if isinstance(exc, PolicyError) else (400, "invalid_request_error")
+            if isinstance(exc, RequestError) and exc.code:
+                code = exc.code
+            log.warning("requests %s refused: %s", [j.id for j in group], exc)
+            for j in group:
+                self._error(j, status, code, redact_paths(str(exc)))
+        except Exception as exc:  # never let one bad batch kill the worker
+            if len(group) > 1 and not alone:
+                log.exception("a batch of %d failed; running its requests one by one", len(group))
+                for j in group:
+                    self._run_guarded([j], alone=True)
+                return
+            log.exception("request %s failed", group[0].id)
+            for j in group:
+                self._error(j, 500, "server_error",
+                            f"the worker failed on this request ({type(exc).__name__}); the server log has the details")
+
+    def _run_same_policy(self, jobs: list[Job], resume_all: bool = False) -> None:
         reqs: list[GenRequest] = []
         resume: dict[str, _Resume] = {}
         live: dict[str, Job] = {}
@@ -177,12 +199,12 @@ class Worker:
         for job in jobs:
             sampling = dict(job.sampling)
             n = int(sampling.pop("n", 1) or 1)
-            if job.deadline is not None and job.attempts == 1 and time.time() > job.deadline:
+            if job.deadline is not None and job.attempts == 1 and not resume_all and time.time() > job.deadline:
                 self._error(job, 503, "queue_timeout",
                             f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
                             "server's --queue-timeout; retry later")
                 continue
-            if job.attempts > 1:
+            if job.attempts > 1 or resume_all:
                 st, ended = _published_state(self.queue.published(job.id), n)
                 if ended:  # the earlier worker finished it but died before acknowledging
                     self.queue.finish(self.worker_id, job.id)
@@ -198,7 +220,7 @@ class Worker:
                 for i in range(n):  # n sequences of one prompt: seeds seed, seed+1, ... (distinct samples)
                     params = SamplingParams(**sampling)
                     if i and params.seed is not None:
-                        params.seed = params.seed + i
+                        params.seed = (params.seed + i) % (1 << 64)
                     rid = job.id if n == 1 else f"{job.id}/{i}"
                     copies.append(GenRequest(list(job.prompt_ids), params, request_id=rid))
                     seq[rid] = (job.id, i, n)
@@ -222,7 +244,7 @@ class Worker:
                 check(stack)
         except CotserveError as exc:
             for j in {j.id: j for j in live.values()}.values():
-                self._error(j, 400, "invalid_policy", str(exc))
+                self._error(j, 400, "invalid_policy", redact_paths(str(exc)))
             return
 
         lost: set[str] = set()

@@ -181,7 +181,7 @@ def test_h2o_matches_direct_computation_through_compactions():
         batch.cache.write_decode(0, kk, kk.clone(), torch.tensor([t + step]))
         pol.decode_attention(0, qd[step].view(1, hq, 1, d), batch)
         pol.after_forward(batch)
-        assert int(batch.cache.lens[0, 0]) == budget  # every=1: back to budget after each step
+        assert int(batch.cache.lens[0, 0]) == budget  # interval=1: back to budget after each step
     ref = _h2o_reference(qp, ks, qd, budget, pol.config.recent, batch.scaling)
     n = int(batch.cache.lens[0, 0])
     kept = batch.cache.pos[0, 0, 0, :n].tolist()
@@ -288,7 +288,7 @@ def test_snapkv_engine_keeps_pooled_window_top_and_never_evicts_later(engine):
 
 def test_streamingllm_keeps_exactly_sink_and_recent(engine):
     p_long, p_short = _prompt(engine, 70), _prompt(engine, 30)
-    stack, res = _run(engine, [p_long, p_short], "streamingllm", {"budget": 24, "sink": 4}, new=10)
+    stack, res = _run(engine, [p_long, p_short], "streamingllm", {"budget": 24, "sinks": 4}, new=10)
     cache = stack.parts[0].batch.cache
     per_entry = 2 * engine.info.num_kv_heads * engine.info.head_dim * 4 * engine.info.num_layers
     for slot, plen in ((1, 70), (0, 30)):
@@ -304,7 +304,7 @@ def test_streamingllm_keeps_exactly_sink_and_recent(engine):
 
 def test_streamingllm_every_n_bounds_the_cache(engine):
     prompt = _prompt(engine, 60)
-    stack, (r,) = _run(engine, [prompt], "streamingllm", {"budget": 20, "sink": 2, "every": 4}, new=12)
+    stack, (r,) = _run(engine, [prompt], "streamingllm", {"budget": 20, "sinks": 2, "interval": 4}, new=12)
     per_entry = 2 * engine.info.num_kv_heads * engine.info.head_dim * 4 * engine.info.num_layers
     assert r.telemetry["kv_bytes_after_prefill"] == 20 * per_entry
     assert r.telemetry["kv_bytes_peak"] == 60 * per_entry  # the prompt, before the prefill compaction
@@ -402,14 +402,14 @@ def test_quest_covering_budget_equals_dense_and_small_budget_reads_less(engine):
 
 
 @pytest.mark.parametrize("spec,opts,bound", [
-    ("h2o", {"budget": 24, "every": 3}, 24 + 3 - 1),
+    ("h2o", {"budget": 24, "interval": 3}, 24 + 3 - 1),
     ("snapkv", {"budget": 24, "window": 4}, 24 + 6),
     ("quest", {"budget": 16, "page_size": 4}, None),
     ("quest+streamingllm", {"budget": 24}, 24),
 ])
 def test_padding_is_never_attended_and_cache_stays_in_budget(engine, spec, opts, bound):
     """A sequence decodes the same alone and next to a longer one (its pad rows/entries unseen);
-    an eviction policy's cache never holds more than its bound (budget + every - 1 after a step)."""
+    an eviction policy's cache never holds more than its bound (budget + interval - 1 after a step)."""
     long, short = _prompt(engine, 64), _prompt(engine, 37)
     _, both = _run(engine, [long, short], spec, opts, new=6)
     _, alone = _run(engine, [short], spec, opts, new=6)
@@ -426,7 +426,7 @@ def test_bad_options_and_conflicting_stacks_are_refused(engine):
     with pytest.raises(PolicyError, match="budget"):
         build_policy("snapkv", {"budget": 16, "window": 32})
     with pytest.raises(PolicyError, match="exceeds budget"):
-        build_policy("streamingllm", {"budget": 16, "sink": 4, "recent": 20})
+        build_policy("streamingllm", {"budget": 16, "sinks": 4, "recent": 20})
     with pytest.raises(PolicyError, match="pooling"):
         build_policy("snapkv", {"pooling": "median"})
     for spec in ("quest+h2o", "h2o+quest"):  # either order: one of the two would never see attention

@@ -44,4 +44,4 @@ def test_sfi_boundary_set_has_the_papers_characters(engine):
 
 def test_skipkv_segments_the_output_only_by_default():
     assert SkipKVConfig().prompt_sentences is False
-    assert 0.95 <= SkipKVConfig().tau <= 0.99  # the paper's range
+    assert 0.95 <= SkipKVConfig().sentence_threshold <= 0.99  # the paper's range

@@ -15,7 +15,7 @@ from cotserve.policies.thoughts import EXECUTION, classify_thought
 REPEAT = "Wait, let me check again: the integral of x squared from zero to three is nine.\n"
 # The small model's sentence embeddings (final-norm hidden means) are strongly anisotropic: on
 # this text the repeated sentence's copies have cosine 0.93, every other pair <= 0.84 (measured),
-# so tests use tau 0.9 where the paper's 0.95 is meant for large reasoning models.
+# so tests use sentence_threshold 0.9 where the paper's 0.95 is meant for large reasoning models.
 SENTENCES = [
     "Paris is the capital of France.\n",
     REPEAT,
@@ -52,10 +52,10 @@ def test_redundant_sentence_is_the_one_dropped_at_prefill(engine):
     first = spans[1]
     budget = len(ids) - (first[1] - first[0])  # room for everything but one copy
     # the prompt's sentences are tracked only with prompt_sentences (ours; the paper: output only)
-    off = build_policy("skipkv", {"budget": str(budget), "tau": TAU, "window": "8"})
+    off = build_policy("skipkv", {"budget": str(budget), "sentence_threshold": TAU, "window": "8"})
     engine.generate([GenRequest(ids, SamplingParams(max_tokens=1))], off)
     assert len(off.parts[0].sentences[0]) == 0
-    stack = build_policy("skipkv", {"budget": str(budget), "tau": TAU, "window": "8", "prompt_sentences": "true"})
+    stack = build_policy("skipkv", {"budget": str(budget), "sentence_threshold": TAU, "window": "8", "prompt_sentences": "true"})
     (res,) = engine.generate([GenRequest(ids, SamplingParams(max_tokens=1))], stack)
     pol = stack.parts[0]
     track = pol.sentences[0]
@@ -83,7 +83,7 @@ def forced_run(engine):
     forced, spans = sentence_ids(tok, FORCED_SENTENCES)
     forced += tok.encode(" Done")  # fed after the last sentence's delimiter, so that one closes too
     budget, interval = 40, 8
-    stack = build_policy("skipkv", {"budget": str(budget), "interval": str(interval), "tau": TAU})
+    stack = build_policy("skipkv", {"budget": str(budget), "interval": str(interval), "sentence_threshold": TAU})
     req = GenRequest(prompt, SamplingParams(max_tokens=len(forced), ignore_eos=True), forced_ids=forced)
     (res,) = engine.generate([req], stack)
     return dict(prompt=prompt, forced=forced, spans=[(a + len(prompt), b + len(prompt)) for a, b in spans],
@@ -227,7 +227,7 @@ def test_padding_and_evicted_entries_stay_masked(engine):
     tok = engine.tokenizer
     prompts = [tok.encode("Count: one, two, three, four, five, six, seven, eight.\n"), tok.encode("Hi\n")]
     forced = tok.encode(" nine, ten, eleven.\nWait, twelve.\nThirteen and fourteen.\n" * 2)[:36]
-    opts = {"budget": "20", "interval": "6", "tau": TAU}
+    opts = {"budget": "20", "interval": "6", "sentence_threshold": TAU}
 
     def run(extra):
         stack = build_policy("skipkv", opts)

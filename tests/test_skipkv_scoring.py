@@ -214,8 +214,9 @@ def test_capacity_is_budget_plus_interval():
     assert stack.capacity([10], 20) == 31  # never more than the full length
 
 
-@pytest.mark.parametrize("opt", [{"budget": "8", "window": "8"}, {"interval": "0"}, {"kernel": "4"},
-                                 {"sigma": "2"}, {"gqa_pool": "mean"}, {"tau": "3"}])
+@pytest.mark.parametrize("opt", [{"budget": "8", "window": "8"}, {"interval": "0"}, {"pool_width": "4"},
+                                 {"sigma": "2"}, {"group_reduce": "mean"}, {"sentence_threshold": "3"},
+                                 {"kernel": "7"}, {"tau": "0.9"}, {"gqa_pool": "prob"}])
 def test_bad_options_are_refused(opt):
     from cotserve.errors import PolicyError
 

@@ -1,9 +1,8 @@
 """Write the generated parts of the documentation.
 
 * `docs/policies/<name>.md`: the option table between the `<!-- options:begin -->` and
-  `<!-- options:end -->` markers, built from the policy's config dataclass (name, type, default)
-  and the description each field carries (a trailing `# comment` on the field's line, or a
-  `name: text` entry in the config class's docstring).
+  `<!-- options:end -->` markers, built from the policy's typed options model in
+  `cotserve/policies/options.py` (name, type, default, range, description).
 * `docs/cli.md`: the whole page, from the Typer app (`cotserve.cli.app`).
 
     python tools/gen_docs.py           # rewrite the generated parts
@@ -94,27 +93,69 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _type_name(annotation: Any) -> str:
+    args = getattr(annotation, "__args__", None)
+    if getattr(annotation, "__origin__", None) is not None and args and all(isinstance(a, str) for a in args):
+        return "str"  # a Literal: the choices are in the meaning column
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _range(info: Any) -> str:
+    """`>= 1`, `(0, 1]`, ... from a field's constraints."""
+    lo = hi = None
+    for m in info.metadata:
+        for attr, sym in (("ge", ">="), ("gt", ">")):
+            if getattr(m, attr, None) is not None:
+                lo = (sym, getattr(m, attr))
+        for attr, sym in (("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                hi = (sym, getattr(m, attr))
+    args = getattr(info.annotation, "__args__", None)
+    if getattr(info.annotation, "__origin__", None) is not None and args and all(isinstance(a, str) for a in args):
+        return " \\| ".join(f"`{a}`" for a in args)
+    if lo and hi:
+        return f"{'[' if lo[0] == '>=' else '('}{lo[1]:g}, {hi[1]:g}{']' if hi[0] == '<=' else ')'}"
+    if lo:
+        return f"{lo[0]} {lo[1]:g}"
+    if hi:
+        return f"{hi[0]} {hi[1]:g}"
+    return ""
+
+
+def _model_default(value: Any) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "`nan`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if value == "":
+        return '`""`'
+    return f"`{value}`"
+
+
 def options_table(policy_cls: type) -> str:
-    config_cls = policy_cls.config_cls
-    fields = dataclasses.fields(config_cls)
-    if not fields:
+    """The option table of a policy, from its typed options model (`cotserve/policies/options.py`)."""
+    from cotserve.policies.options import POLICIES, RENAMED
+
+    model = POLICIES[policy_cls.name][1]
+    if not model.model_fields:
         return f"`{policy_cls.name}` takes no options."
-    docs = field_docs(config_cls)
-    rows = ["| option | type | default | meaning |", "|---|---|---|---|"]
-    for f in fields:
-        rows.append(f"| `{f.name}` | `{f.type}` | {_default(f)} | {_cell(docs.get(f.name, ''))} |")
+    rows = ["| option | type | default | range | meaning |", "|---|---|---|---|---|"]
+    for name, info in model.model_fields.items():
+        rows.append(f"| `{name}` | `{_type_name(info.annotation)}` | {_model_default(info.default)} | "
+                    f"{_range(info)} | {_cell(info.description or '')} |")
+    renamed = RENAMED.get(policy_cls.name)
+    if renamed:
+        pairs = ", ".join(f"`{old}` (now `{new}`)" for old, new in sorted(renamed.items()))
+        rows.append(f"\nRenamed options, refused with a hint: {pairs}.")
     return "\n".join(rows)
 
 
 def undocumented_options() -> list[str]:
     """`policy.option` for every option without a description."""
-    from cotserve.policies.registry import REGISTRY, available
+    from cotserve.policies.options import POLICIES
 
-    missing = []
-    for name in available():
-        docs = field_docs(REGISTRY[name].config_cls)
-        missing += [f"{name}.{f.name}" for f in dataclasses.fields(REGISTRY[name].config_cls) if f.name not in docs]
-    return missing
+    return [f"{name}.{field}" for name, (_, model) in POLICIES.items()
+            for field, info in model.model_fields.items() if not info.description]
 
 
 def policy_pages() -> dict[Path, str]:

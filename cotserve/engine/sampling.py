@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -9,14 +10,19 @@ import torch
 from cotserve.errors import RequestError
 
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
+# Temperatures below this decode greedily (as vLLM does): dividing logits by a tiny temperature
+# overflows float32 and the softmax turns to NaN.
+MIN_TEMPERATURE = 1e-5
+SEED_MOD = 1 << 64  # torch generators take seeds in [0, 2**64); other integers wrap into it
 
 
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
 
-    temperature 0 means greedy. top_k 0 means no top-k cut. A seed makes sampling reproducible:
-    the same seed, prompt and batch give the same text. Without a seed a random one is drawn."""
+    temperature 0 (or below MIN_TEMPERATURE) means greedy. top_k 0 means no top-k cut. A seed
+    (any integer; it wraps into [0, 2**64)) makes sampling reproducible: the same seed, prompt and
+    batch give the same text. Without a seed a random one is drawn."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -33,9 +39,11 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", field="max_tokens")
-        if self.temperature < 0:
-            raise RequestError("temperature must be >= 0", field="temperature")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError("temperature must be a finite number >= 0", field="temperature")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise RequestError("top_p must be in (0, 1]", field="top_p")
         if self.top_k < 0:
             raise RequestError("top_k must be >= 0", field="top_k")
@@ -45,7 +53,7 @@ class SamplingParams:
     def make_generator(self, device: torch.device) -> torch.Generator:
         gen = torch.Generator(device=device)
         if self.seed is not None:
-            gen.manual_seed(int(self.seed))
+            gen.manual_seed(int(self.seed) % SEED_MOD)
         else:
             gen.seed()
         return gen
@@ -69,9 +77,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
                 history: list[int] | None = None) -> int:
     """One token from a [V] float logit row."""
-    if params.temperature <= 0:
+    if params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
-    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    logits = logits.float()
+    # shift so the largest logit is 0 before dividing: no overflow to inf, so no NaN in the softmax
+    scaled = filter_logits((logits - logits.max()) / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from cotserve import __version__
@@ -26,18 +27,20 @@ from cotserve.errors import CotserveError
 from cotserve.gateway import completions, errors
 from cotserve.gateway.auth import check_key
 from cotserve.gateway.errors import APIError
+from cotserve.gateway.guard import DEFAULT_MAX_BODY_BYTES, Guard
 from cotserve.gateway.metrics import Metrics
 from cotserve.gateway.output import ChatChoice, ChatPlan, TokenText, chat_logprobs
 from cotserve.gateway.reasoning import make_reasoning_parser
 from cotserve.gateway.schemas import (
     ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
 )
 from cotserve.gateway.tools import fallback_history, get_tool_parser, native_history, template_supports_tools
-from cotserve.policies.registry import build_policy, server_only_keys
+from cotserve.policies.options import OptionError, server_only_keys, typed_options, validate_spec
 from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable
 
 CHAT_PATH = "/v1/chat/completions"
@@ -96,6 +99,9 @@ class GatewaySettings:
     max_n: int = 16
     poll_s: float = 0.5  # how often a waiting request checks for a client disconnect
     queue_timeout: float | None = None  # seconds a job may wait for a worker before it fails with 503
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    keepalive_s: float = 15.0  # an SSE comment after this many seconds without an event
+    queue_outage_s: float = 30.0  # how long a request rides out an unreachable queue before it fails
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -163,12 +169,22 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     app.state.queue = queue
     app.state.settings = settings
     created = int(time.time())
-    err_responses = {s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)}
+    err_responses = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
+    settings.policy_options = typed_options(settings.policy, settings.policy_options)
 
-    async def auth(request: Request) -> None:
+    def count_status(path: str, status: int) -> None:
+        if path.endswith("/chat/completions"):
+            metrics.requests.labels(str(status)).inc()
+
+    app.add_middleware(Guard, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
+                       on_status=count_status)
+    bearer = HTTPBearer(auto_error=False, description="An API key of the server (when it has keys).")
+
+    async def auth(request: Request,
+                   _credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if not check_key(request.headers.get("authorization"), settings.api_keys):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     last_ready = [0.0]
 
@@ -226,8 +242,10 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         return ModelCard(id=settings.model_name, created=created, max_model_len=prompts.context_len)
 
     @app.post(CHAT_PATH, response_model=ChatCompletion, dependencies=[Depends(auth)],
-              responses={**err_responses, 200: {"content": {"text/event-stream": {}},
-                                                "description": "JSON, or SSE chunks when stream is true"}})
+              responses={**err_responses, 200: {"content": {"text/event-stream": {"schema": {
+                  "$ref": "#/components/schemas/ChatCompletionChunk"}}},
+                  "description": "JSON, or SSE chunks when stream is true: each `data:` line a "
+                                 "ChatCompletionChunk, then `data: [DONE]`"}})
     async def chat(body: ChatCompletionRequest, request: Request):
         # error statuses are counted by the exception handlers (errors.install)
         job, plan = await _make_job(body)
@@ -270,16 +288,12 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
             if forbidden:
                 raise APIError(400, f"option(s) {', '.join(forbidden)} name server files and can only be set "
                                "by the server (serve --policy-opt / --policy-file)",
-                               param="cotserve.options", code="invalid_policy")
+                               param=f"cotserve.options.{forbidden[0]}", code="invalid_policy")
             options.update(cot.options)
-            try:
-                build_policy(policy)
-            except CotserveError as exc:
-                raise APIError(400, str(exc), param="cotserve.policy", code="invalid_policy") from exc
-            try:
-                build_policy(policy, options)
-            except CotserveError as exc:
-                raise APIError(400, str(exc), param="cotserve.options", code="invalid_policy") from exc
+            try:  # the typed option models: no torch, no files (the worker checks those)
+                validate_spec(policy, options)
+            except OptionError as exc:
+                raise APIError(400, str(exc), param=exc.param, code="invalid_policy") from exc
         return policy, options
 
     def sampling_of(body, n_prompt: int, asked: int | None, asked_param: str, logprobs: int | None,
@@ -320,6 +334,10 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
 
     async def _make_job(body: ChatCompletionRequest) -> tuple[Job, ChatPlan]:
         check_model(body.model)
+        for name, new in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(body, name) is not None:
+                raise APIError(400, f"{name} is deprecated and not supported; send {new}", param=name,
+                               code="invalid_value")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         messages = _messages(body)
@@ -500,7 +518,34 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         policy_of=policy_of, sampling_of=sampling_of, new_job=new_job, collect=collect, events=events,
         guard=guard, usage_of=usage_of, telemetry_of=telemetry_of, token_text=token_text,
         err_responses=err_responses, sse=SSEResponse))
+    install_openapi(app)
     return app
+
+
+def install_openapi(app: FastAPI) -> None:
+    """The OpenAPI document as served: no 422 (validation errors are 400 in OpenAI's shape), the
+    streamed chunk schema among the components."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original()
+        for item in schema.get("paths", {}).values():
+            for op in item.values():
+                if isinstance(op, dict):
+                    op.get("responses", {}).pop("422", None)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        comps.update(ChatCompletionChunk.model_json_schema(ref_template="#/components/schemas/{model}")
+                     .pop("$defs", {}))
+        comps["ChatCompletionChunk"] = {k: v for k, v in ChatCompletionChunk.model_json_schema(
+            ref_template="#/components/schemas/{model}").items() if k != "$defs"}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class SSEResponse(StreamingResponse):

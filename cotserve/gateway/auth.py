@@ -37,9 +37,22 @@ def check_key(header: str | None, keys: list[str]) -> bool:
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
+    """Whether `host` binds to loopback only. An empty host binds every interface: not loopback."""
+    host = host.strip()
+    if host == "localhost":
         return True
+    if not host:
+        return False
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_bind(host: str, keys: list[str], insecure: bool) -> None:
+    """Refuse to serve on a non-loopback address without an API key (unless --insecure)."""
+    if not is_loopback(host) and not keys and not insecure:
+        shown = host or '"" (every interface)'
+        raise CotserveError(
+            f"refusing to serve on {shown} without an API key: set COTSERVE_API_KEYS or --api-key-file, "
+            "or pass --insecure to serve without authentication")

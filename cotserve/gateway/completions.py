@@ -127,9 +127,11 @@ def install(app: FastAPI, rt: Runtime) -> None:
     async def completion(body: CompletionRequest, request: Request):
         rt.check_model(body.model)
         for name, bad in (("echo", body.echo), ("suffix", body.suffix),
-                          ("best_of", body.best_of is not None and body.best_of != (body.n or 1))):
+                          ("best_of", body.best_of is not None and body.best_of != (body.n or 1)),
+                          ("tools", body.tools is not None), ("tool_choice", body.tool_choice is not None)):
             if bad:
-                raise APIError(400, f"{name} is not supported", param=name, code="invalid_value")
+                where = " on /v1/completions (tools work on /v1/chat/completions)" if name.startswith("tool") else ""
+                raise APIError(400, f"{name} is not supported{where}", param=name, code="invalid_value")
         ids = prompt_ids(body, tok)
         policy, options = rt.policy_of(body.cotserve)
         sampling = rt.sampling_of(body, len(ids), body.max_tokens, "max_tokens", body.logprobs, "prompt")

@@ -72,8 +72,4 @@ def install(app) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception):
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})).response()

@@ -1,13 +1,15 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic; they make the OpenAPI spec).
 
 Unknown request fields are ignored, as OpenAI's own server does for fields it does not know.
+Booleans and integers are taken as JSON gives them: `"stream": "yes"`, `"ignore_eos": 0` or
+`"max_tokens": "5"` are refused (400), as OpenAI refuses them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 
 class TextPart(BaseModel):
@@ -46,7 +48,7 @@ class FunctionDef(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(BaseModel):
@@ -68,7 +70,7 @@ class NamedToolChoice(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class CotserveOptions(BaseModel):
@@ -83,24 +85,28 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Wins over max_tokens when both are given.")
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="Wins over max_tokens when both are given.")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): 0 = no top-k cut.")
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    top_k: StrictInt | None = Field(None, ge=0, description="Extension (as in vLLM): 0 = no top-k cut.")
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
-    n: int | None = Field(1, ge=1, description="Choices to generate from the one prompt (they share its prefill).")
-    stream: bool = False
+    n: StrictInt | None = Field(1, ge=1, description="Choices to generate from the one prompt (they share its prefill).")
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = Field(False, description="Extension (as in vLLM): keep generating past end-of-sequence.")
-    logprobs: bool = Field(False, description="Return each generated token's log-probability.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Also the k most likely tokens (needs logprobs).")
+    ignore_eos: StrictBool = Field(False, description="Extension (as in vLLM): keep generating past end-of-sequence.")
+    logprobs: StrictBool = Field(False, description="Return each generated token's log-probability.")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Also the k most likely tokens (needs logprobs).")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: 'auto' when tools are given, else 'none'.")
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
+    functions: list[dict[str, Any]] | None = Field(None, description="OpenAI's deprecated form of tools: refused "
+                                                   "(400); send tools.")
+    function_call: str | dict[str, Any] | None = Field(None, description="Deprecated: refused (400); send "
+                                                       "tool_choice.")
     cotserve: CotserveOptions | None = None
 
 
@@ -109,23 +115,26 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
         description="One prompt: a string or token ids (a list holding one of them is accepted too).")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): 0 = no top-k cut.")
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    top_k: StrictInt | None = Field(None, ge=0, description="Extension (as in vLLM): 0 = no top-k cut.")
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
-    n: int | None = Field(1, ge=1)
-    stream: bool = False
+    n: StrictInt | None = Field(1, ge=1)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    echo: bool = Field(False, description="Not supported (true is refused).")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Top log-probabilities per token (0..20).")
+    echo: StrictBool = Field(False, description="Not supported (true is refused).")
+    logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Top log-probabilities per token (0..20).")
     suffix: str | None = Field(None, description="Not supported.")
-    best_of: int | None = Field(None, description="Not supported beyond n.")
+    best_of: StrictInt | None = Field(None, description="Not supported beyond n.")
     user: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported on text completions: refused (400); "
+                                               "tools work on /v1/chat/completions.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Refused (400), as tools.")
     cotserve: CotserveOptions | None = None
 
 
@@ -137,15 +146,15 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class ToolCallOut(BaseModel):
@@ -184,6 +193,35 @@ class ChatCompletion(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     cotserve: dict[str, Any] = Field(default_factory=dict, description="This request's policy telemetry.")
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` line of a streamed chat completion (the stream ends with `data: [DONE]`; an error
+    mid-stream is one `data:` line holding an ErrorResponse, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    cotserve: dict[str, Any] | None = Field(None, description="Telemetry, on each choice's last chunk.")
 
 
 class ModelCard(BaseModel):

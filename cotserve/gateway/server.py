@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.errors import CotserveError
-from cotserve.gateway.auth import is_loopback, load_keys
+from cotserve.gateway.auth import check_bind, load_keys
 
 log = logging.getLogger("cotserve.serve")
 
@@ -65,7 +65,10 @@ class ServeArgs:
     tool_call_parser: str = "hermes"
     reasoning_parser: str = "auto"
     served_model_name: str | None = None
-    queue_timeout: float | None = None
+    queue_timeout: float | None = 300.0  # None: no limit
+    max_body_bytes: int = 4 * 1024 * 1024
+    keepalive_s: float = 15.0
+    queue_outage_s: float = 30.0
     log_level: str = "info"
 
 
@@ -111,7 +114,8 @@ def gateway_settings(args: ServeArgs, engine_args: EngineArgs, prompts, keys: li
         policy_options=args.policy_options, api_keys=keys or [], max_pending=args.max_pending,
         default_max_tokens=defaults.max_tokens, default_temperature=defaults.temperature,
         default_top_p=defaults.top_p, default_top_k=defaults.top_k, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=reasoning, queue_timeout=args.queue_timeout)
+        reasoning_parser=reasoning, queue_timeout=args.queue_timeout, max_body_bytes=args.max_body_bytes,
+        keepalive_s=args.keepalive_s, queue_outage_s=args.queue_outage_s)
 
 
 def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
@@ -122,10 +126,7 @@ def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
     from cotserve.queue import make_queue
 
     keys = load_keys(args.api_key_file)
-    if not is_loopback(args.host) and not keys and not args.insecure:
-        raise CotserveError(
-            f"refusing to serve on {args.host} without an API key: set COTSERVE_API_KEYS or --api-key-file, "
-            "or pass --insecure to serve without authentication")
+    check_bind(args.host, keys, args.insecure)
     build_policy(args.policy, args.policy_options)  # fail now, not on every request
     _set_threads(engine_args.threads)
     prompts = PromptBuilder.from_model(engine_args.model, args.max_model_len)

@@ -14,9 +14,9 @@ Here, per KV head:
 * GQA: a KV head's score adds the probabilities of the query heads of its group (`group_reduce=sum`,
   the default; `max` takes the largest instead). Sum and mean rank identically.
 * eviction keeps the last `recent` entries (recent = budget * recent_ratio) plus the budget - recent
-  entries with the highest scores among the others; it runs when a slot holds budget + `every`
-  entries (`every=1`, the default, is Algorithm 1's one-out-per-step greedy eviction; a larger value
-  evicts `every` tokens at once by the same rule, fewer compactions). Scores move with their entries
+  entries with the highest scores among the others; it runs when a slot holds budget + `interval`
+  entries (`interval=1`, the default, is Algorithm 1's one-out-per-step greedy eviction; a larger value
+  evicts `interval` tokens at once by the same rule, fewer compactions). Scores move with their entries
   through the compaction (`evict_to` followers).
 """
 
@@ -46,13 +46,13 @@ if TYPE_CHECKING:
 @dataclass
 class H2OConfig(PolicyConfig):
     """budget: entries kept per KV head. recent_ratio: share of the budget kept as the most recent
-    tokens (0.5 as in the paper's experiments); the rest are heavy hitters. every: evict when a slot
-    holds budget + every entries (1 = each step, the paper's form). group_reduce: how the query heads
+    tokens (0.5 as in the paper's experiments); the rest are heavy hitters. interval: evict when a slot
+    holds budget + interval entries (1 = each step, the paper's form). group_reduce: how the query heads
     of a GQA group add up into their KV head's score (sum | max)."""
 
     budget: int = 1024
     recent_ratio: float = 0.5
-    every: int = 1
+    interval: int = 1
     group_reduce: str = "sum"
 
     def validate(self) -> None:
@@ -60,8 +60,8 @@ class H2OConfig(PolicyConfig):
             raise ValueError("budget must be >= 2")
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError("recent_ratio must be in [0, 1]")
-        if self.every < 1:
-            raise ValueError("every must be >= 1")
+        if self.interval < 1:
+            raise ValueError("interval must be >= 1")
         if self.group_reduce not in ("sum", "max"):
             raise ValueError("group_reduce must be sum or max")
 
@@ -96,7 +96,7 @@ class H2OPolicy(Policy):
         self._seen: set[int] = set()
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
-        return max(max(prompt_lens), self.config.budget + self.config.every) + 1
+        return max(max(prompt_lens), self.config.budget + self.config.interval) + 1
 
     def begin(self, batch: BatchState) -> None:
         refuse_overriding_parts(self, batch, ("prefill_attention", "decode_attention"), answers=True)
@@ -128,7 +128,7 @@ class H2OPolicy(Policy):
         if len(self._seen) != cache.shape.layers:
             raise RuntimeError("h2o did not see the attention of every layer")  # guarded in begin()
         self._seen.clear()
-        trigger = cfg.budget + 1 if batch.mode == "prefill" else cfg.budget + cfg.every
+        trigger = cfg.budget + 1 if batch.mode == "prefill" else cfg.budget + cfg.interval
         for slot, length in enumerate(cache.lens[0].tolist()):
             if length < trigger:
                 continue

@@ -16,17 +16,21 @@ from typing import Any
 
 from cotserve.errors import PolicyError
 from cotserve.policies.base import Axis, Policy, PolicyConfig, PolicyStack
+from cotserve.policies.options import (
+    POLICIES,
+    RENAMED,
+    SERVER_ONLY_OPTIONS,
+    OptionError,
+    route,
+    server_only_keys,
+    split_spec,
+    validate_part,
+)
+
+__all__ = ["REGISTRY", "RENAMED", "SERVER_ONLY_OPTIONS", "OptionError", "available", "build_policy", "make_config",
+           "parse_options", "register", "server_only_keys"]
 
 REGISTRY: dict[str, type[Policy]] = {}
-
-# Options that name files on the server: settable with `serve --policy-opt` / `--policy-file`,
-# refused in a request's `cotserve.options` (a client must not point the server at its files).
-SERVER_ONLY_OPTIONS = frozenset({"calibration", "vector", "thought_rules"})
-
-
-def server_only_keys(options: dict[str, Any]) -> list[str]:
-    """The keys of `options` (plain or `policy.key`) that only the server may set."""
-    return sorted(k for k in options if k.rpartition(".")[2] in SERVER_ONLY_OPTIONS)
 
 # Modules that define policies; imported lazily so a missing optional piece breaks only itself.
 POLICY_MODULES = [
@@ -78,18 +82,37 @@ def _coerce(value: Any, target: Any) -> Any:
     return value
 
 
+def _options_model(cls: type[Policy]):
+    """The typed options model of a built-in policy (None for a policy registered elsewhere)."""
+    entry = POLICIES.get(cls.name)
+    if entry is None:
+        return None
+    model = entry[1]
+    if set(model.model_fields) != {f.name for f in dataclasses.fields(cls.config_cls)}:
+        return None  # a different class under a built-in name (tests); its dataclass rules
+    return model
+
+
 def make_config(cls: type[Policy], options: dict[str, Any]) -> PolicyConfig:
+    """The policy's config from options (strings from the command line are converted): checked
+    by the policy's typed options model (`policies.options`), then by the config's own
+    `validate` (files that must exist)."""
+    model = _options_model(cls)
     fields = {f.name: f for f in dataclasses.fields(cls.config_cls)}
-    defaults = cls.config_cls()
-    kwargs = {}
-    for key, value in options.items():
-        if key not in fields:
-            known = ", ".join(sorted(fields)) or "none"
-            raise PolicyError(f"policy {cls.name!r} has no option {key!r} (options: {known})")
-        try:
-            kwargs[key] = _coerce(value, getattr(defaults, key))
-        except (TypeError, ValueError) as exc:
-            raise PolicyError(f"policy option {cls.name}.{key}={value!r}: {exc}") from exc
+    if model is not None:
+        values = validate_part(cls.name, {k: (k, v) for k, v in options.items()}, model, strict=False)
+        kwargs = values.model_dump()
+    else:
+        defaults = cls.config_cls()
+        kwargs = {}
+        for key, value in options.items():
+            if key not in fields:
+                known = ", ".join(sorted(fields)) or "none"
+                raise PolicyError(f"policy {cls.name!r} has no option {key!r} (options: {known})")
+            try:
+                kwargs[key] = _coerce(value, getattr(defaults, key))
+            except (TypeError, ValueError) as exc:
+                raise PolicyError(f"policy option {cls.name}.{key}={value!r}: {exc}") from exc
     try:
         config = cls.config_cls(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -99,44 +122,19 @@ def make_config(cls: type[Policy], options: dict[str, Any]) -> PolicyConfig:
         try:
             validate()
         except ValueError as exc:
-            raise PolicyError(f"policy {cls.name!r}: {exc}") from exc
+            raise OptionError(f"policy {cls.name!r}: {exc}") from exc
     return config
 
 
 def build_policy(spec: str | None, options: dict[str, Any] | None = None) -> PolicyStack:
     """Build a fresh stack (policies hold per-batch state: build one per batch)."""
     _load_all()
-    spec = (spec or "dense").strip()
-    options = dict(options or {})
-    names = [n.strip() for n in spec.split("+") if n.strip()]
-    if not names:
-        raise PolicyError("empty policy spec")
-    classes = []
-    for n in names:
-        if n not in REGISTRY:
-            raise PolicyError(f"unknown policy {n!r} (available: {', '.join(sorted(REGISTRY))})")
-        classes.append(REGISTRY[n])
-    axes: dict[str, str] = {}
-    for cls in classes:
-        if cls.axis in axes:
-            raise PolicyError(
-                f"policies {axes[cls.axis]!r} and {cls.name!r} conflict: both decide the {cls.axis} axis; "
-                "stack at most one read, one evict and one steer policy"
-            )
-        axes[cls.axis] = cls.name
-    per_part: dict[str, dict[str, Any]] = {cls.name: {} for cls in classes}
-    for key, value in options.items():
-        if "." in key:
-            target, _, field = key.partition(".")
-            if target not in per_part:
-                raise PolicyError(f"option {key!r} targets {target!r}, which is not in the stack {spec!r}")
-            per_part[target][field] = value
-            continue
-        owners = [c for c in classes if key in {f.name for f in dataclasses.fields(c.config_cls)}]
-        if not owners:
-            raise PolicyError(f"no policy in {spec!r} has an option {key!r}")
-        for c in owners:
-            per_part[c.name][key] = value
+    spec = (spec or "dense").strip() or "dense"
+    names = split_spec(spec, {n: c.axis for n, c in REGISTRY.items()})
+    classes = [REGISTRY[n] for n in names]
+    fields_of = {c.name: [f.name for f in dataclasses.fields(c.config_cls)] for c in classes}
+    routed = route(spec, names, dict(options or {}), fields_of)
+    per_part = {n: {k: v for k, (_, v) in given.items()} for n, given in routed.items()}
     parts = [cls(make_config(cls, per_part[cls.name])) for cls in classes]
     if len(parts) > 1:  # dense beside an eviction/steering part: those parts' default read
         parts = [p for p in parts if p.name != "dense"]

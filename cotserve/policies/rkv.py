@@ -7,8 +7,8 @@ score (R-KV Sec. 3.4, SkipKV arXiv 2512.07993 Sec. 4.1 without its sentence term
     score = sigma * importance - (1 - sigma) * redundancy
 
 importance: attention of the last `window` queries, averaged, GQA group reduced by max, max-pooled
-(kernel `kernel`); redundancy: key cosine similarity with the newest copies exempted
-(`cotserve.policies.scoring`). The options `gqa_pool`, `normalize` and `reference_quirk` switch to
+(width `pool_width`); redundancy: key cosine similarity with the newest copies exempted
+(`cotserve.policies.scoring`). The options `group_reduce`, `normalize` and `reference_quirk` switch to
 the public R-KV code's variants (see `scoring`); R-KV's code also defaults to sigma (its
 `mix_lambda`) = 0.07 where both papers use 0.1.
 """
@@ -26,33 +26,33 @@ from cotserve.policies.registry import register
 
 @dataclass
 class RKVConfig(EvictionConfig):
-    """kernel: max-pool width over neighbouring keys (odd).
+    """pool_width: max-pool width over neighbouring keys (odd).
     sigma: weight of importance against redundancy (R-KV's lambda).
     redundancy_threshold: key cosine similarity above which two keys count as copies.
     redundancy_retain: newest copies exempted from redundancy (R-KV's beta).
-    gqa_pool: prob (paper) | logit (R-KV code). normalize: causal (paper) | past (R-KV code).
+    group_reduce: prob (paper) | logit (R-KV code). normalize: causal (paper) | past (R-KV code).
     reference_quirk: reproduce the R-KV code's redundancy row without copies (see scoring)."""
 
-    kernel: int = 7
+    pool_width: int = 7
     sigma: float = 0.1
     redundancy_threshold: float = 0.5
     redundancy_retain: int = 1
-    gqa_pool: str = "prob"
+    group_reduce: str = "prob"
     normalize: str = "causal"
     reference_quirk: bool = False
 
     def validate(self) -> None:
         super().validate()
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be an odd number >= 1, got {self.kernel}")
+        if self.pool_width < 1 or self.pool_width % 2 == 0:
+            raise ValueError(f"pool_width must be an odd number >= 1, got {self.pool_width}")
         if not 0.0 <= self.sigma <= 1.0:
             raise ValueError(f"sigma must be in [0, 1], got {self.sigma}")
         if not -1.0 <= self.redundancy_threshold <= 1.0:
             raise ValueError(f"redundancy_threshold must be in [-1, 1], got {self.redundancy_threshold}")
         if self.redundancy_retain < 0:
             raise ValueError(f"redundancy_retain must be >= 0, got {self.redundancy_retain}")
-        if self.gqa_pool not in ("prob", "logit"):
-            raise ValueError(f"gqa_pool must be 'prob' or 'logit', got {self.gqa_pool!r}")
+        if self.group_reduce not in ("prob", "logit"):
+            raise ValueError(f"group_reduce must be 'prob' or 'logit', got {self.group_reduce!r}")
         if self.normalize not in ("causal", "past"):
             raise ValueError(f"normalize must be 'causal' or 'past', got {self.normalize!r}")
 
@@ -61,8 +61,8 @@ def rkv_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, pos: torch
                c: RKVConfig) -> torch.Tensor:
     """Joint R-KV score of the candidate entries (all but the last `window`): [Hkv, n - window]."""
     m = k.shape[1] - c.window
-    imp = scoring.attention_importance(q, k, scaling, c.window, c.kernel, q_pos=q_pos, k_pos=pos,
-                                       gqa_pool=c.gqa_pool, normalize=c.normalize)
+    imp = scoring.attention_importance(q, k, scaling, c.window, c.pool_width, q_pos=q_pos, k_pos=pos,
+                                       gqa_pool=c.group_reduce, normalize=c.normalize)
     red = scoring.key_redundancy(k, c.redundancy_threshold, c.redundancy_retain, c.reference_quirk)[:, :m]
     return scoring.mix_scores(imp, red, c.sigma)
 

@@ -4,7 +4,7 @@ Each sequence is cut into sentences at thought delimiters (the paper's newline-t
 `boundaries.thought_delimiter_ids`). A sentence's representation is the mean of the last layer's
 (final-norm) hidden states over its tokens, L2-normalised (Sec. 4.1, sentence embedding v_i).
 When a sentence closes, its cosine similarity with every earlier sentence of the sequence is
-computed (pairwise sentence similarity); an EARLIER sentence whose similarity exceeds `tau`
+computed (pairwise sentence similarity); an EARLIER sentence whose similarity exceeds `sentence_threshold`
 (0.95) is marked redundant with a penalty equal to that similarity (the newest copy is kept).
 
 Eviction (every `interval` decode steps, PHYSICAL, budget per KV head, see `eviction`) ranks the
@@ -39,16 +39,16 @@ from cotserve.policies.rkv import RKVConfig, RKVPolicy, rkv_scores
 
 @dataclass
 class SkipKVConfig(RKVConfig):
-    """tau: sentence cosine similarity above which the earlier sentence is redundant.
+    """sentence_threshold: sentence cosine similarity above which the earlier sentence is redundant.
     prompt_sentences: also cut the prompt into sentences (ours; the paper: the output only)."""
 
-    tau: float = 0.95
+    sentence_threshold: float = 0.95
     prompt_sentences: bool = False
 
     def validate(self) -> None:
         super().validate()
-        if not -1.0 <= self.tau <= 1.0:
-            raise ValueError(f"tau must be in [-1, 1], got {self.tau}")
+        if not -1.0 <= self.sentence_threshold <= 1.0:
+            raise ValueError(f"sentence_threshold must be in [-1, 1], got {self.sentence_threshold}")
 
 
 class SentenceTrack:
@@ -155,7 +155,7 @@ class SkipKVPolicy(RKVPolicy):
         super().begin(batch)
         tok = batch.info.tokenizer
         delims = thought_delimiter_ids(tok) if tok is not None else frozenset()
-        self.sentences = [SentenceTrack(delims, self.config.tau) for _ in range(batch.batch_size)]
+        self.sentences = [SentenceTrack(delims, self.config.sentence_threshold) for _ in range(batch.batch_size)]
         self.dropped_sentences = [0] * batch.batch_size
 
     def observe(self, batch) -> None:

@@ -3,7 +3,7 @@
 Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation" (arXiv 2404.14469),
 Sec. 4.2, Eq. (1)-(2) and Listing 1: the last `window` prompt queries (the observation window)
 attend over the prompt; for each prefix key the attention is summed over the window's queries
-(Eq. 1, "voting"), smoothed by a 1-D pooling of size `kernel` (stride 1, "clustering"), and the top
+(Eq. 1, "voting"), smoothed by a 1-D pooling of width `pool_width` (stride 1, "clustering"), and the top
 (budget - window) prefix keys per head (Eq. 2) plus the window itself are kept. Decoding then runs
 dense attention over the compressed prompt plus every generated token (no further eviction).
 
@@ -37,12 +37,12 @@ if TYPE_CHECKING:
 @dataclass
 class SnapKVConfig(PolicyConfig):
     """budget: prompt entries kept per KV head (window included). window: observation window (last
-    prompt tokens, always kept). kernel: pooling size (odd). pooling: max | avg. group_reduce: how a GQA
+    prompt tokens, always kept). pool_width: pooling width (odd). pooling: max | avg. group_reduce: how a GQA
     group's query heads combine into their KV head's score (mean | max)."""
 
     budget: int = 1024
     window: int = 32
-    kernel: int = 7
+    pool_width: int = 7
     pooling: str = "max"
     group_reduce: str = "mean"
 
@@ -51,8 +51,8 @@ class SnapKVConfig(PolicyConfig):
             raise ValueError("window must be >= 1")
         if self.budget <= self.window:
             raise ValueError(f"budget ({self.budget}) must exceed window ({self.window})")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError("kernel must be a positive odd number")
+        if self.pool_width < 1 or self.pool_width % 2 == 0:
+            raise ValueError("pool_width must be a positive odd number")
         if self.pooling not in ("max", "avg"):
             raise ValueError("pooling must be max or avg")
         if self.group_reduce not in ("mean", "max"):
@@ -116,7 +116,7 @@ class SnapKVPolicy(Policy):
             if length <= cfg.budget:
                 continue
             pooled = snapkv_scores(q[slot, :, :length], k[slot, :, :length], batch.scaling, cfg.window,
-                                   cfg.kernel, cfg.pooling, cfg.group_reduce)
+                                   cfg.pool_width, cfg.pooling, cfg.group_reduce)
             plan[slot] = snapkv_keep(pooled, length, cfg.budget, cfg.window)
         self._keep[layer] = plan
         return None  # the prompt attention itself is the engine's causal default

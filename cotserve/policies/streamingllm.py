@@ -1,14 +1,14 @@
 """`streamingllm`: attention sinks + a recent window; everything else is evicted.
 
 Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks" (arXiv 2309.17453),
-Sec. 3.2 and Fig. 4: the KV cache holds the first `sink` tokens (the attention sinks, 4 in the paper)
+Sec. 3.2 and Fig. 4: the KV cache holds the first `sinks` tokens (the attention sinks, 4 in the paper)
 and a rolling window of the `recent` latest tokens.
 
 Here: the prompt is prefilled with full causal attention, then the cache of every layer and KV head
-is physically compacted to sink + recent entries; during decoding a slot is compacted back to
-sink + recent as soon as it holds sink + recent + `every` entries (`every=1`, the default, is the
+is physically compacted to sinks + recent entries; during decoding a slot is compacted back to
+sinks + recent as soon as it holds sinks + recent + `interval` entries (`interval=1`, the default, is the
 paper's rolling cache: one token out per token in). So after any step a slot holds at most
-sink + recent + every - 1 entries, and a decode step attends over at most sink + recent + every.
+sinks + recent + interval - 1 entries, and a decode step attends over at most sinks + recent + interval.
 
 Deviation, stated: the paper re-assigns positions inside the cache (Sec. 3.2, "positions within the
 cache") so that text can stream past the pre-trained context; this engine keeps every entry's true
@@ -33,33 +33,33 @@ if TYPE_CHECKING:
 
 @dataclass
 class StreamingLLMConfig(PolicyConfig):
-    """budget: entries kept per KV head (sink + recent). sink: initial tokens always kept.
-    recent: window of latest tokens kept; 0 means budget - sink (a positive value overrides and
-    must satisfy sink + recent <= budget). every: compact when a slot holds budget + every entries
+    """budget: entries kept per KV head (sinks + recent). sinks: initial tokens always kept.
+    recent: window of latest tokens kept; 0 means budget - sinks (a positive value overrides and
+    must satisfy sinks + recent <= budget). interval: compact when a slot holds budget + interval entries
     (1 = every step, the paper's rolling cache)."""
 
     budget: int = 1024
-    sink: int = 4
+    sinks: int = 4
     recent: int = 0
-    every: int = 1
+    interval: int = 1
 
     def validate(self) -> None:
-        if self.sink < 0 or self.recent < 0:
-            raise ValueError("sink and recent must be >= 0")
-        if self.every < 1:
-            raise ValueError("every must be >= 1")
-        if self.recent == 0 and self.budget - self.sink < 1:
-            raise ValueError(f"budget ({self.budget}) must exceed sink ({self.sink})")
-        if self.recent > 0 and self.sink + self.recent > self.budget:
-            raise ValueError(f"sink + recent ({self.sink + self.recent}) exceeds budget ({self.budget})")
+        if self.sinks < 0 or self.recent < 0:
+            raise ValueError("sinks and recent must be >= 0")
+        if self.interval < 1:
+            raise ValueError("interval must be >= 1")
+        if self.recent == 0 and self.budget - self.sinks < 1:
+            raise ValueError(f"budget ({self.budget}) must exceed sinks ({self.sinks})")
+        if self.recent > 0 and self.sinks + self.recent > self.budget:
+            raise ValueError(f"sinks + recent ({self.sinks + self.recent}) exceeds budget ({self.budget})")
 
     @property
     def window(self) -> int:
-        return self.recent if self.recent > 0 else self.budget - self.sink
+        return self.recent if self.recent > 0 else self.budget - self.sinks
 
     @property
     def kept(self) -> int:
-        return self.sink + self.window
+        return self.sinks + self.window
 
 
 def streaming_keep(length: int, sink: int, recent: int, kv_heads: int, device: torch.device) -> torch.Tensor:
@@ -83,7 +83,7 @@ class StreamingLLMPolicy(Policy):
         self.stats = EvictionStats(0)
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
-        return max(max(prompt_lens), self.config.kept + self.config.every) + 1
+        return max(max(prompt_lens), self.config.kept + self.config.interval) + 1
 
     def begin(self, batch: BatchState) -> None:
         self.batch = batch
@@ -93,12 +93,12 @@ class StreamingLLMPolicy(Policy):
         cfg: StreamingLLMConfig = self.config
         cache = batch.cache
         # after prefill compact anything over budget; during decoding wait for `every` extra entries
-        trigger = cfg.kept + 1 if batch.mode == "prefill" else cfg.kept + cfg.every
+        trigger = cfg.kept + 1 if batch.mode == "prefill" else cfg.kept + cfg.interval
         lens = cache.lens[0].tolist()
         for slot, length in enumerate(lens):
             if length < trigger:
                 continue
-            keep = streaming_keep(length, cfg.sink, cfg.window, cache.shape.kv_heads, cache.device)
+            keep = streaming_keep(length, cfg.sinks, cfg.window, cache.shape.kv_heads, cache.device)
             dropped = 0
             for layer in range(cache.shape.layers):
                 dropped = evict_to(cache, layer, slot, keep)
