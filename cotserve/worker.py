@@ -13,6 +13,11 @@ if they differ (numerics of another batch, say) or the job's sampling is unseede
 reproducible), the client gets an `error` event instead of a silently different or repeated
 stream. The gateway gives every sampled request without a seed a server-drawn seed, so in practice
 only a divergence ends a resumed stream with an error.
+
+Queue outages (a Redis restart): every queue call the worker makes while running a group is
+retried with backoff for up to `outage_s` seconds, so decoding pauses and goes on where it was;
+the heartbeat thread also renews the leases of the running jobs. After an outage the worker waits
+one lease before it reaps anyone (every live worker renews its heartbeat and leases by then).
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def _lp_event(lps: list[tuple[float, list[tuple[int, float]]]]) -> list[list[Any
 class Worker:
     def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
-                 poll_s: float = 0.01, cancel_poll_s: float = 0.05):
+                 poll_s: float = 0.01, cancel_poll_s: float = 0.05, outage_s: float = 30.0):
         self.engine = engine
         self.queue = queue
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -84,9 +89,33 @@ class Worker:
         self.heartbeat_s = heartbeat_s
         self.poll_s = poll_s
         self.cancel_poll_s = cancel_poll_s
+        self.outage_s = outage_s
         self.stop_event = threading.Event()
         self.jobs_done = 0
         self._last_reap = 0.0
+        self._running: set[str] = set()  # job ids of the group being decoded (their leases are renewed)
+        self._queue_failed_at = 0.0  # when a queue call last failed (reaping waits a lease after that)
+
+    @property
+    def lease_s(self) -> float:
+        return HEARTBEAT_MISSES * self.heartbeat_s
+
+    def _q(self, fn, *args):
+        """A queue call, retried with backoff while the queue is unreachable (up to outage_s)."""
+        t0: float | None = None
+        delay = 0.05
+        while True:
+            try:
+                return fn(*args)
+            except QueueUnavailable:
+                now = time.monotonic()
+                t0 = t0 if t0 is not None else now
+                self._queue_failed_at = time.time()
+                if now - t0 >= self.outage_s or self.stop_event.is_set():
+                    raise
+                log.warning("queue unreachable; retrying %s", getattr(fn, "__name__", "call"))
+                self.stop_event.wait(delay)
+                delay = min(1.0, delay * 2)
 
     # -- loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -98,7 +127,12 @@ class Worker:
             while not self.stop_event.is_set():
                 try:
                     busy = self.run_once()
-                except Exception:  # e.g. Redis went away: keep trying, do not die
+                except QueueUnavailable as exc:  # Redis went away: keep trying, do not die
+                    self._queue_failed_at = time.time()
+                    log.warning("queue unreachable (%s); retrying", exc)
+                    self.stop_event.wait(0.2)
+                    continue
+                except Exception:
                     log.exception("queue error; retrying in 1 s")
                     self.stop_event.wait(1.0)
                     continue
@@ -117,27 +151,35 @@ class Worker:
     def _heartbeat_loop(self) -> None:
         while not self.stop_event.wait(self.heartbeat_s):
             try:
-                self.queue.heartbeat(self.worker_id, HEARTBEAT_MISSES * self.heartbeat_s)
+                self.queue.heartbeat(self.worker_id, self.lease_s)
+                self.queue.renew(self.worker_id, sorted(self._running), self.lease_s)
+            except QueueUnavailable as exc:
+                self._queue_failed_at = time.time()
+                log.warning("heartbeat failed: %s", exc)
             except Exception:
                 log.warning("heartbeat failed", exc_info=True)
 
     def run_once(self) -> int:
         """Reap (at most once per heartbeat period), claim one group and run it; returns its size."""
         now = time.time()
-        if now - self._last_reap >= self.heartbeat_s:
+        if now - self._last_reap >= self.heartbeat_s and now - self._queue_failed_at >= self.lease_s:
             self._last_reap = now
             for jid in self.queue.reap():
                 log.warning("job %s returned to pending (its worker stopped heart-beating)", jid)
         jobs = self.queue.claim(self.worker_id, self.max_batch, self.max_wait)
         if jobs:
-            self.run_group(jobs)
+            self._running = {j.id for j in jobs}
+            try:
+                self.run_group(jobs)
+            finally:
+                self._running = set()
         return len(jobs)
 
     # -- one group -------------------------------------------------------------------------
     def _error(self, job: Job, status: int, code: str, message: str) -> None:
-        self.queue.publish(self.worker_id, job.id, [{"t": "error", "status": status, "code": code,
-                                                     "message": message}])
-        self.queue.finish(self.worker_id, job.id, "failed")
+        self._q(self.queue.publish, self.worker_id, job.id, [{"t": "error", "status": status, "code": code,
+                                                              "message": message}])
+        self._q(self.queue.finish, self.worker_id, job.id, "failed")
         self._log_request(job, finish_reason="error", status=status, code=code)
 
     def _log_request(self, job: Job, finish_reason: str, prompt_tokens: int | None = None,
@@ -205,9 +247,9 @@ class Worker:
                             "server's --queue-timeout; retry later")
                 continue
             if job.attempts > 1 or resume_all:
-                st, ended = _published_state(self.queue.published(job.id), n)
+                st, ended = _published_state(self._q(self.queue.published, job.id), n)
                 if ended:  # the earlier worker finished it but died before acknowledging
-                    self.queue.finish(self.worker_id, job.id)
+                    self._q(self.queue.finish, self.worker_id, job.id)
                     continue
                 if st.ids and (not job.reproducible or n > 1):
                     self._error(job, 500, "worker_lost",
@@ -257,7 +299,7 @@ class Worker:
             now = time.monotonic()
             if now - last_poll[0] >= self.cancel_poll_s:
                 last_poll[0] = now
-                cancel_cache.update(self.queue.cancelled([j for j in left if j not in cancel_cache]))
+                cancel_cache.update(self._q(self.queue.cancelled, [j for j in left if j not in cancel_cache]))
             return jid in cancel_cache or jid in lost
 
         for deltas in self.engine.stream(reqs, stack, None, cancelled=is_cancelled):
@@ -297,18 +339,18 @@ class Worker:
                     if n > 1:
                         done["i"] = index
                     events.append(done)
-                if events and not self.queue.publish(self.worker_id, jid, events):
+                if events and not self._q(self.queue.publish, self.worker_id, jid, events):
                     lost.add(jid)  # reaped and handed on: stop decoding it here
                     continue
                 if jid in lost:
                     if left.pop(jid, None) is not None:
-                        self.queue.finish(self.worker_id, jid, "failed")
+                        self._q(self.queue.finish, self.worker_id, jid, "failed")
                 elif d.result is not None:
                     left[jid] -= 1
                     if left[jid] == 0:
                         del left[jid]
                         state = "cancelled" if d.result.finish_reason == "cancelled" else "done"
-                        self.queue.finish(self.worker_id, jid, state)
+                        self._q(self.queue.finish, self.worker_id, jid, state)
                         self._log_request(job, d.result.finish_reason, d.result.prompt_tokens,
                                           d.result.completion_tokens, first_token_at.get(jid), d.result.telemetry)
 

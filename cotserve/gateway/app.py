@@ -358,17 +358,32 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
 
     async def events(job: Job, request: Request, n: int = 1):
         """The job's events until its n sequences are done (or an error); cancels the job when the
-        client goes away (shielded: also on cancellation)."""
+        client goes away (shielded: also on cancellation).
+
+        While nothing arrives it yields {"t": "ping"} every `keepalive_s` (streams send an SSE
+        comment), ends with a 503 `queue_timeout` once the job has waited `queue_timeout` seconds
+        without a worker (queued, or handed back after its worker was lost), and rides out an
+        unreachable queue for `queue_outage_s` seconds, retrying with backoff."""
         after = "0"
         finished = False
         done = 0
-        last_check = time.monotonic()
+        start = time.monotonic()
+        last_check = last_event = last_state = start
+        pending_since: float | None = start
+        outage_since: float | None = None
         try:
             while True:
                 try:
                     evs = await queue.read(job.id, after, settings.poll_s)
+                    outage_since = None
                 except QueueUnavailable as exc:
-                    raise APIError(503, str(exc), code="queue_unavailable") from exc
+                    now = time.monotonic()
+                    outage_since = outage_since or now
+                    if now - outage_since >= settings.queue_outage_s:
+                        raise APIError(503, f"the queue has been unreachable for {now - outage_since:.0f} s",
+                                       code="queue_unavailable") from exc
+                    await asyncio.sleep(min(1.0, 0.05 + (now - outage_since) / 4))
+                    evs = []
                 for eid, ev in evs:
                     after = eid
                     if ev.get("t") == "done":
@@ -379,6 +394,15 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
                     if finished:
                         return
                 now = time.monotonic()
+                if evs:
+                    last_event, pending_since = now, None
+                else:
+                    if now - last_event >= settings.keepalive_s:
+                        last_event = now
+                        yield {"t": "ping"}
+                    if outage_since is None and now - last_state >= 1.0:
+                        last_state = now
+                        pending_since = await job_waits(job, pending_since, now)
                 if not evs or now - last_check >= settings.poll_s:
                     last_check = now
                     if await request.is_disconnected():
@@ -386,6 +410,24 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         finally:
             if not finished:
                 await asyncio.shield(_cancel(job.id))
+
+    async def job_waits(job: Job, pending_since: float | None, now: float) -> float | None:
+        """Since when the job has been waiting without a worker (None while one runs it); raises
+        the request's error once that is longer than the queue timeout, or when the queue lost the job."""
+        try:
+            state = await queue.state(job.id)
+        except QueueUnavailable:
+            return pending_since
+        if state is None:
+            raise APIError(503, "the queue lost this request (its backend restarted without its data); retry",
+                           code="job_lost", headers={"Retry-After": "1"})
+        if state != "pending":
+            return None
+        since = pending_since if pending_since is not None else now
+        if settings.queue_timeout and now - since >= settings.queue_timeout:
+            raise APIError(503, f"no worker took this request for {now - since:.0f} s (the server's "
+                                "--queue-timeout); retry later", code="queue_timeout", headers={"Retry-After": "1"})
+        return since
 
     async def _cancel(job_id: str) -> None:
         metrics.cancelled.inc()
@@ -399,6 +441,8 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         gen = events(job, request, n)
         try:
             async for ev in gen:
+                if ev["t"] == "ping":
+                    continue
                 if ev["t"] == "error":
                     raise APIError(int(ev.get("status", 500)), ev.get("message", "worker error"), code=ev.get("code"))
                 on_event(ev)
@@ -482,6 +526,9 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
             for c in choices:
                 yield _chunk(job, {"role": "assistant", "content": ""}, None, include_usage, index=c.index)
             async for ev in guard(gen):
+                if ev["t"] == "ping":
+                    yield ": keep-alive\n\n"
+                    continue
                 if ev["t"] == "error":  # OpenAI's in-stream error object, then the end marker
                     err = APIError(int(ev.get("status", 500)), ev.get("message", "worker error"), code=ev.get("code"))
                     yield f"data: {json.dumps(err.body())}\n\n"

@@ -187,6 +187,9 @@ def install(app: FastAPI, rt: Runtime) -> None:
         gen = rt.events(job, request, n)
         try:
             async for ev in rt.guard(gen):
+                if ev["t"] == "ping":
+                    yield ": keep-alive\n\n"
+                    continue
                 if ev["t"] == "error":
                     err = APIError(int(ev.get("status", 500)), ev.get("message", "worker error"), code=ev.get("code"))
                     yield f"data: {json.dumps(err.body())}\n\n"

@@ -108,6 +108,11 @@ class JobQueue(abc.ABC):
         """A pending job is dropped; a running one is flagged (its worker stops it)."""
 
     @abc.abstractmethod
+    async def state(self, job_id: str) -> str | None:
+        """The job's state (pending, claimed, done, failed, cancelled), or None when the queue has
+        no such job."""
+
+    @abc.abstractmethod
     async def stats(self) -> dict[str, int]:
         """{"pending", "running", "workers"} (workers with a live heartbeat)."""
 
@@ -149,6 +154,9 @@ class JobQueue(abc.ABC):
     @abc.abstractmethod
     def reap(self) -> list[str]:
         """Return the claimed jobs of workers whose heartbeat expired to the pending set."""
+
+    def renew(self, worker_id: str, job_ids: list[str], ttl: float) -> None:  # noqa: B027 - optional
+        """Extend the leases of jobs this worker runs by `ttl` seconds (queues with leases)."""
 
     @abc.abstractmethod
     def leave(self, worker_id: str) -> None:

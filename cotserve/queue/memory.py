@@ -75,6 +75,11 @@ class InProcessQueue(JobQueue):
                 entry.state = "cancelled"
                 entry.finished_at = time.time()
 
+    async def state(self, job_id: str) -> str | None:
+        with self._lock:
+            entry = self._jobs.get(job_id)
+            return None if entry is None else entry.state
+
     async def stats(self) -> dict[str, int]:
         with self._lock:
             now = time.time()

@@ -9,6 +9,13 @@ Keys (all under `prefix`, default "cotserve:"):
   hb:{worker}        a key with a TTL: the worker's heartbeat
   workers            set of worker ids seen
   claimed:{worker}   set of job ids a worker holds
+  leases             sorted set: claimed job id -> lease expiry (unix time); the worker renews the
+                     leases of the jobs it runs (each publish, and its heartbeat thread), and a
+                     job whose lease ran out returns to pending, whatever its worker's heartbeat
+
+Connections retry with backoff on connection errors (redis-py's `Retry`) and check pooled
+connections before use, so a restart of Redis costs a pause, not an error; what still fails
+raises `QueueUnavailable`, which the gateway and the worker ride out for a while.
 
 Finished jobs are acknowledged: they leave `claimed:{worker}`, and their hash and stream expire
 after `result_ttl` seconds. The scripts address keys built from the prefix inside Lua, which a
@@ -78,6 +85,7 @@ for _, id in ipairs(picked) do
   redis.call('HSET', k, 'state', 'claimed', 'worker', wid, 'claimed_at', ARGV[3])
   local attempts = redis.call('HINCRBY', k, 'attempts', 1)
   redis.call('SADD', prefix .. 'claimed:' .. wid, id)
+  redis.call('ZADD', prefix .. 'leases', now + tonumber(ARGV[6]), id)
   table.insert(out, id); table.insert(out, redis.call('HGET', k, 'spec')); table.insert(out, attempts)
 end
 redis.call('SADD', prefix .. 'workers', wid)
@@ -89,7 +97,8 @@ PUBLISH = """
 local prefix, id, wid, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local k = prefix .. 'job:' .. id
 if redis.call('HGET', k, 'state') ~= 'claimed' or redis.call('HGET', k, 'worker') ~= wid then return 0 end
-for i = 5, #ARGV do redis.call('XADD', prefix .. 'out:' .. id, '*', 'e', ARGV[i]) end
+redis.call('ZADD', prefix .. 'leases', ARGV[5], id)
+for i = 6, #ARGV do redis.call('XADD', prefix .. 'out:' .. id, '*', 'e', ARGV[i]) end
 redis.call('EXPIRE', prefix .. 'out:' .. id, ttl)
 return 1
 """
@@ -98,6 +107,7 @@ FINISH = """
 local prefix, id, wid, state, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local k = prefix .. 'job:' .. id
 redis.call('SREM', prefix .. 'claimed:' .. wid, id)
+redis.call('ZREM', prefix .. 'leases', id)
 if redis.call('HGET', k, 'worker') == wid and redis.call('HGET', k, 'state') == 'claimed' then
   redis.call('HSET', k, 'state', state)
   redis.call('EXPIRE', k, ttl)
@@ -131,6 +141,7 @@ if not force and redis.call('EXISTS', prefix .. 'hb:' .. wid) == 1 then return {
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'claimed:' .. wid)) do
   local k = prefix .. 'job:' .. id
+  redis.call('ZREM', prefix .. 'leases', id)
   if redis.call('HGET', k, 'state') == 'claimed' and redis.call('HGET', k, 'worker') == wid then
     if redis.call('HGET', k, 'cancel') == '1' then
       redis.call('HSET', k, 'state', 'cancelled')
@@ -149,16 +160,65 @@ redis.call('SREM', prefix .. 'workers', wid)
 return out
 """
 
+# Return the claimed jobs whose lease ran out to the pending set (their worker is gone, or no
+# longer runs them), at their original enqueue time.
+REAP_LEASES = """
+local prefix, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', prefix .. 'leases', '-inf', now)) do
+  redis.call('ZREM', prefix .. 'leases', id)
+  local k = prefix .. 'job:' .. id
+  if redis.call('HGET', k, 'state') == 'claimed' then
+    local wid = redis.call('HGET', k, 'worker')
+    redis.call('SREM', prefix .. 'claimed:' .. wid, id)
+    if redis.call('HGET', k, 'cancel') == '1' then
+      redis.call('HSET', k, 'state', 'cancelled')
+      redis.call('EXPIRE', k, ttl)
+    else
+      redis.call('HSET', k, 'state', 'pending', 'worker', '')
+      redis.call('ZADD', prefix .. 'pending', redis.call('HGET', k, 'enq'), id)
+      redis.call('ZADD', prefix .. 'pending:' .. redis.call('HGET', k, 'pkey'), redis.call('HGET', k, 'len'), id)
+      table.insert(out, id)
+    end
+  end
+end
+return out
+"""
+
+RETRY_ERRORS = [redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError]
+
+
+def _sync_errors(fn):
+    """Worker-side calls raise QueueUnavailable when Redis stays unreachable through the retries."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            raise QueueUnavailable(f"redis: {exc}") from exc
+
+    return wrapped
+
 
 class RedisQueue(JobQueue):
-    def __init__(self, url: str, prefix: str = "cotserve:", result_ttl: int = 300):
+    def __init__(self, url: str, prefix: str = "cotserve:", result_ttl: int = 300, lease_s: float = 5.0,
+                 retries: int = 6):
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+
         self.url = url
         self.prefix = prefix
         self.result_ttl = int(result_ttl)
-        self.r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=30)
+        self.lease_s = float(lease_s)  # a claim's lease; the worker's renewals extend it
+        self.retries = int(retries)
+        self.r = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=30, socket_connect_timeout=2, health_check_interval=2,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), self.retries), retry_on_error=RETRY_ERRORS)
         self._scripts = {name: self.r.register_script(src) for name, src in
                          {"submit": SUBMIT, "claim": CLAIM, "publish": PUBLISH, "finish": FINISH,
-                          "cancel": CANCEL, "reap": REAP}.items()}
+                          "cancel": CANCEL, "reap": REAP, "reap_leases": REAP_LEASES}.items()}
         self._ar: aredis.Redis | None = None
         self._ar_loop: asyncio.AbstractEventLoop | None = None
         self._ascripts: dict[str, Any] = {}
@@ -167,7 +227,12 @@ class RedisQueue(JobQueue):
         """The async client, bound to the running event loop (made again if the loop changed)."""
         loop = asyncio.get_running_loop()
         if self._ar is None or self._ar_loop is not loop:
-            self._ar = aredis.Redis.from_url(self.url, decode_responses=True)
+            from redis.asyncio.retry import Retry as ARetry
+            from redis.backoff import ExponentialBackoff
+
+            self._ar = aredis.Redis.from_url(
+                self.url, decode_responses=True, socket_connect_timeout=2, health_check_interval=2,
+                retry=ARetry(ExponentialBackoff(cap=0.5, base=0.05), self.retries), retry_on_error=RETRY_ERRORS)
             self._ar_loop = loop
             self._ascripts = {"submit": self._ar.register_script(SUBMIT), "cancel": self._ar.register_script(CANCEL)}
         return self._ar
@@ -181,7 +246,7 @@ class RedisQueue(JobQueue):
         try:
             ok = await self._ascripts["submit"](args=[self.prefix, job.id, job.prompt_len, job.created,
                                                        max_pending, job.to_json(), job.key])
-        except redis.RedisError as exc:
+        except (redis.RedisError, OSError) as exc:
             raise QueueUnavailable(f"redis: {exc}") from exc
         if not ok:
             raise QueueFull(retry_after=1.0)
@@ -190,7 +255,7 @@ class RedisQueue(JobQueue):
         ar = self._a()
         try:
             res = await ar.xread({self.k("out", job_id): after}, block=max(1, int(timeout * 1000)), count=512)
-        except redis.RedisError as exc:
+        except (redis.RedisError, OSError) as exc:
             raise QueueUnavailable(f"redis: {exc}") from exc
         out = []
         for _stream, entries in res or []:
@@ -205,15 +270,21 @@ class RedisQueue(JobQueue):
         except redis.RedisError:
             pass  # nothing to cancel when Redis is gone; the job expires with it
 
+    async def state(self, job_id: str) -> str | None:
+        try:
+            return await self._a().hget(self.k("job", job_id), "state")
+        except (redis.RedisError, OSError) as exc:
+            raise QueueUnavailable(f"redis: {exc}") from exc
+
     async def stats(self) -> dict[str, int]:
+        """Pending jobs, jobs running under a live lease, workers with a live heartbeat."""
         ar = self._a()
         workers = await ar.smembers(self.k("workers"))
         live = 0
-        running = 0
         for w in workers:
             if await ar.exists(self.k("hb", w)):
                 live += 1
-            running += await ar.scard(self.k("claimed", w))
+        running = await ar.zcount(self.k("leases"), time.time(), "+inf")
         return {"pending": await ar.zcard(self.k("pending")), "running": running, "workers": live}
 
     async def ping(self) -> bool:
@@ -228,21 +299,33 @@ class RedisQueue(JobQueue):
             self._ar = None
 
     # -- worker side -----------------------------------------------------------------------
+    @_sync_errors
     def claim(self, worker_id: str, max_batch: int, max_wait: float) -> list[Job]:
         now = time.time()
-        res = self._scripts["claim"](args=[self.prefix, max_batch, now, max_wait, worker_id])
+        res = self._scripts["claim"](args=[self.prefix, max_batch, now, max_wait, worker_id, self.lease_s])
         return [Job.from_json(res[i + 1], int(res[i + 2]), now) for i in range(0, len(res), 3)]
 
+    @_sync_errors
     def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]]) -> bool:
         payload = [json.dumps(e, separators=(",", ":")) for e in events]
-        return bool(self._scripts["publish"](args=[self.prefix, job_id, worker_id, self.result_ttl, *payload]))
+        return bool(self._scripts["publish"](args=[self.prefix, job_id, worker_id, self.result_ttl,
+                                                    time.time() + self.lease_s, *payload]))
 
+    @_sync_errors
+    def renew(self, worker_id: str, job_ids: list[str], ttl: float) -> None:
+        if job_ids:
+            until = time.time() + ttl
+            self.r.zadd(self.k("leases"), dict.fromkeys(job_ids, until), xx=True)
+
+    @_sync_errors
     def published(self, job_id: str) -> list[dict[str, Any]]:
         return [json.loads(f["e"]) for _id, f in self.r.xrange(self.k("out", job_id))]
 
+    @_sync_errors
     def finish(self, worker_id: str, job_id: str, state: str = "done") -> None:
         self._scripts["finish"](args=[self.prefix, job_id, worker_id, state, self.result_ttl])
 
+    @_sync_errors
     def cancelled(self, job_ids: list[str]) -> set[str]:
         if not job_ids:
             return set()
@@ -251,18 +334,22 @@ class RedisQueue(JobQueue):
             pipe.hget(self.k("job", j), "cancel")
         return {j for j, v in zip(job_ids, pipe.execute(), strict=True) if v == "1"}
 
+    @_sync_errors
     def heartbeat(self, worker_id: str, ttl: float) -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.k("hb", worker_id), str(time.time()), px=max(1, int(ttl * 1000)))
         pipe.sadd(self.k("workers"), worker_id)
         pipe.execute()
 
+    @_sync_errors
     def reap(self) -> list[str]:
         out: list[str] = []
         for w in self.r.smembers(self.k("workers")):
             out.extend(self._scripts["reap"](args=[self.prefix, w, self.result_ttl, "0"]))
+        out.extend(self._scripts["reap_leases"](args=[self.prefix, time.time(), self.result_ttl]))
         return out
 
+    @_sync_errors
     def leave(self, worker_id: str) -> None:
         self._scripts["reap"](args=[self.prefix, worker_id, self.result_ttl, "1"])
 
