@@ -1,0 +1,132 @@
+"""Fault injection on loopback, bounded in time: a Redis restart mid-stream (our own redis-server
+on a free port, append-only file on). The gateway is served from this process; the worker runs in
+a thread on the shared bundled model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
+from cotserve.gateway.server import ServerThread, free_port
+from cotserve.worker import Worker
+
+MODEL = "smollm2-135m-instruct"
+PROMPTS = ["Count from one to twenty in words.", "List the colours of the rainbow.", "Name five fruits."]
+
+
+class OwnRedis:
+    def __init__(self, tmp_path):
+        self.port = free_port()
+        self.dir = tmp_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.RedisError:
+                assert time.time() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def _stream(url: str, prompt: str) -> tuple[str, list[str]]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    text, errors = "", []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                errors.append(obj["error"]["code"])
+            for c in obj.get("choices", []):
+                text += c["delta"].get("content") or ""
+    return text, errors
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_redis_restart_mid_stream_loses_nothing(engine, tmp_path):
+    from cotserve.queue.redis_queue import RedisQueue
+
+    rs = OwnRedis(tmp_path)
+    rs.start()
+    prefix = f"cotserve-fault-{uuid.uuid4().hex[:6]}:"
+    gq = RedisQueue(rs.url, prefix=prefix)
+    wq = RedisQueue(rs.url, prefix=prefix)
+    app = create_app(GatewaySettings(model_name=MODEL, keepalive_s=0.5), gq,
+                     PromptBuilder(engine.tokenizer, engine.info.max_positions))
+    worker = Worker(engine, wq, worker_id="w-fault", max_batch=4, max_wait=0.5, heartbeat_s=1.0)
+    wt = threading.Thread(target=worker.run, daemon=True)
+    wt.start()
+    try:
+        with ServerThread(app) as url:
+            deadline = time.time() + 30
+            while httpx.get(url + "/ready").status_code != 200:
+                assert time.time() < deadline
+                time.sleep(0.1)
+            with ThreadPoolExecutor(len(PROMPTS)) as ex:
+                baseline = list(ex.map(lambda p: _stream(url, p), PROMPTS))
+            assert all(not errs and text for text, errs in baseline)
+
+            with ThreadPoolExecutor(len(PROMPTS)) as ex:
+                futures = [ex.submit(_stream, url, p) for p in PROMPTS]
+                # wait until the batch is decoding, then restart Redis for about 2 s
+                import redis
+
+                r = redis.Redis.from_url(rs.url, decode_responses=True)
+                deadline = time.time() + 60
+                while not any(r.xlen(k) > 2 for k in r.scan_iter(match=prefix + "out:*")):
+                    assert time.time() < deadline, "no stream started"
+                    time.sleep(0.02)
+                rs.kill()
+                time.sleep(2.0)
+                rs.start()
+                results = [f.result(timeout=120) for f in futures]
+            assert worker._queue_failed_at > 0  # the worker did see the outage mid-stream
+            assert [t for t, _ in results] == [t for t, _ in baseline]
+            assert all(not errs for _, errs in results), results
+
+            # nothing stays claimed, /ready is true again within 5 s
+            deadline = time.time() + 5
+            while True:
+                resp = httpx.get(url + "/ready")
+                if resp.status_code == 200 and resp.json()["running"] == 0 and resp.json()["pending"] == 0:
+                    break
+                assert time.time() < deadline, resp.text
+                time.sleep(0.1)
+            r = redis.Redis.from_url(rs.url, decode_responses=True)
+            assert not any(r.scard(k) for k in r.scan_iter(match=prefix + "claimed:*"))
+            assert r.zcard(prefix + "leases") == 0
+    finally:
+        worker.stop()
+        wt.join(timeout=30)
+        if rs.proc is not None and rs.proc.poll() is None:
+            rs.kill()
