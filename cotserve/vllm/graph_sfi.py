@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cotserve.kernels.sfi_paged import paged_logits
+from cotserve.kernels.sfi_paged import paged_logits, paged_pack, ring_write
+from cotserve.kernels.sfi_select import fused_supported, selector_scores, topk_sorted
 from cotserve.policies import selector as sel
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.sfi.config import SFIConfig
@@ -245,9 +246,7 @@ class GraphSFI:
     # -- inside the step (captured) -------------------------------------------------------------
     def write_ring(self, layer: int, q: torch.Tensor) -> None:
         """The step's query rows of SFI requests into their rings (scratch slot for the rest)."""
-        t = q.shape[0]
-        idx = self.w_tok.clamp(max=t - 1)
-        self.ring[layer].index_put_((self.w_slot, self.w_idx), q[idx])
+        ring_write(q, self.ring[layer], self.w_tok, self.w_slot, self.w_idx)
         for tok, slot, w in self.extra_writes:  # long prompt chunks with many SFI requests: eager steps only
             self.ring[layer, slot, w] = q[tok]
 
@@ -284,39 +283,47 @@ class GraphSFI:
         slots = torch.tensor([st.slot for st in states], device=dev)
         pos = torch.arange(n, device=dev)
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
-        fs = []
-        norms = torch.empty(j, self.L, self.hkv, n, dtype=torch.float32, device=dev)
+        fused = fused_supported(cfg)
+        k_eff = max(0, min(cfg.k, n - cfg.sinks))
+        keeps, fs, norms_all = [], [], []
         for l0 in range(0, self.L, chunk):
             nl = min(self.L, l0 + chunk) - l0
             q = self.ring[l0 : l0 + nl][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
             q = (q.permute(1, 0, 3, 2, 4).reshape(j, nl, self.hkv, self.g * r, self.d) * self.scale).contiguous()
             logits = torch.empty(j, nl, self.hkv, self.g * r, n, dtype=torch.float32, device=dev)
+            norms = torch.empty(j, nl, self.hkv, n, dtype=torch.float32, device=dev)
             for i in range(nl):  # one read of the layer's keys, in place in the paged cache
-                paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, l0 + i])
+                paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, i])
             logits = logits.view(j, nl, self.hkv, self.g, r, n)
             logits[..., : cfg.sinks] = float("-inf")
             if oldest + 1 < n:  # causal: a row sees no entry newer than itself
                 tail = logits[..., oldest + 1 :]
                 tail.masked_fill_(pos[oldest + 1 :] > row_pos.view(r, 1), float("-inf"))
-            f, _ = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, 0, False)
-            fs.append(f)
-        f = torch.cat(fs, 1)  # [J, L, H, n]
-        keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), norms, now)
+            if fused:  # the whole selector in two kernels, then the top-K
+                scores = selector_scores(cfg, logits.view(j * nl, self.hkv, self.g * r, n),
+                                         norms.view(j * nl, self.hkv, n), now)
+                keeps.append(topk_sorted(scores, k_eff).view(j, nl, self.hkv, k_eff))
+            else:
+                f, _ = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, 0, False)
+                fs.append(f)
+                norms_all.append(norms)
+        if fused:
+            keep = torch.cat(keeps, 1)  # [J, L, H, k]
+        else:
+            f = torch.cat(fs, 1)  # [J, L, H, n]
+            keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), torch.cat(norms_all, 1), now)
         ns = min(cfg.sinks, n)
         keys = torch.cat([pos[:ns].expand(j, self.L, self.hkv, ns), keep], dim=-1)  # [J, L, H, m]
         m = keys.shape[-1]
         self.cpos[:, slots] = -1
         self.cpos[:, slots, :, :m] = keys.transpose(0, 1).to(torch.int32)
         # pack: read only the kept entries, straight from the paged cache
-        blk = torch.gather(blocks.long(), 1, (keys // block_size).flatten(1)).view_as(keys)  # [J, L, H, m]
-        off = keys % block_size
-        heads = torch.arange(self.hkv, device=dev).view(1, self.hkv, 1)
+        slots32 = slots.to(torch.int32)
         for li in range(self.L):
             kv = self.layers[li].kv_cache
             kv = kv[0] if isinstance(kv, (list, tuple)) else kv
             kc, vc = kv.transpose(1, 2).split(self.d, dim=-1)  # [blocks, block, H, D]
-            self.ck[li, slots, :, :m] = kc[blk[:, li], off[:, li], heads]
-            self.cv[li, slots, :, :m] = vc[blk[:, li], off[:, li], heads]
+            paged_pack(keys[:, li], blocks, kc, vc, self.ck[li], self.cv[li], slots32)
         for st in states:
             st.k_eff = keep.shape[-1]
 
