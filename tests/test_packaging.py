@@ -23,6 +23,7 @@ FOLDERS = {"cotserve": "cotserve", "kernels": "cotserve.kernels", "eval": "cotse
 # Declared but never imported by name: what needs them, and why they are declared.
 INDIRECT = {
     "gguf": "transformers' GGUF loader converts the bundled model",
+    "accelerate": "transformers' GGUF loader refuses to load the bundled model without it",
 }
 
 
