@@ -40,8 +40,11 @@ def fused_supported(cfg) -> bool:
 
 
 if HAVE_TRITON:
+    K_TINY = tl.constexpr(TINY)
+    K_LOWEST = tl.constexpr(LOWEST)
 
-    @triton.jit
+
+    @triton.jit(do_not_specialize=["n", "R", "sinks", "now"])
     def _head_kernel(L, NORM, F, T, STATS, n, R, sinks, now, alpha, decay, tail, brake, norm_power, lam_fixed,
                      lam_clip, sl_b, sl_h, sl_r, sn_b, sn_h, sf_b, sf_h, H: tl.constexpr, RP: tl.constexpr,
                      BLOCK: tl.constexpr, USE_TAIL: tl.constexpr, USE_NORM: tl.constexpr):
@@ -69,13 +72,13 @@ if HAVE_TRITON:
             z = z * tl.exp(m - m_new) + tl.sum(tl.where(ok, tl.exp(x - m_new[:, None]), 0.0), 1)
             m = m_new
             if USE_NORM:
-                nv = tl.maximum(tl.load(nbase + offs, mask=cand, other=1.0), TINY)
+                nv = tl.maximum(tl.load(nbase + offs, mask=cand, other=1.0), K_TINY)
                 nsum += tl.where(cand, nv, 0.0)
                 ncnt += tl.where(cand, 1.0, 0.0)
         # row weights: Z^-alpha / rows (a row with nothing allowed counts zero)
-        w = tl.where(z > 0, tl.exp(-alpha * tl.log(tl.maximum(z, TINY))), 0.0) / R
+        w = tl.where(z > 0, tl.exp(-alpha * tl.log(tl.maximum(z, K_TINY))), 0.0) / R
         w = tl.where(rmask, w, 0.0)
-        nmean = tl.maximum(tl.sum(nsum, 0) / tl.maximum(tl.sum(ncnt, 0), 1.0), TINY)
+        nmean = tl.maximum(tl.sum(nsum, 0) / tl.maximum(tl.sum(ncnt, 0), 1.0), K_TINY)
         nowf = now.to(tl.float32)
         # (B) evidence f_u = (sum_r w_r e_r)^(1/alpha); prior log-factors t; sum f_u; logsumexp t
         fsum = tl.zeros([BLOCK], dtype=tl.float32)
@@ -89,16 +92,16 @@ if HAVE_TRITON:
             ok = x > -1.0e30
             e = tl.where(ok, tl.exp(alpha * (x - m[:, None])), 0.0)
             s = tl.maximum(tl.sum(e * w[:, None], 0), 0.0)
-            fu = tl.where(s > 0, tl.exp(tl.log(tl.maximum(s, TINY)) / alpha), 0.0)
+            fu = tl.where(s > 0, tl.exp(tl.log(tl.maximum(s, K_TINY)) / alpha), 0.0)
             fu = tl.where(cand, fu, 0.0)
             fsum += fu
             d = tl.maximum(nowf - offs.to(tl.float32), 0.0)
             t = -decay * d / tl.maximum(nowf, 1.0)
             if USE_TAIL:
                 ramp = brake + (1.0 - brake) * tl.minimum(d / tail, 1.0)
-                t += tl.log(tl.maximum(ramp, TINY))
+                t += tl.log(tl.maximum(ramp, K_TINY))
             if USE_NORM:
-                nv = tl.maximum(tl.load(nbase + offs, mask=cand, other=1.0), TINY)
+                nv = tl.maximum(tl.load(nbase + offs, mask=cand, other=1.0), K_TINY)
                 t += -norm_power * tl.log(nv / nmean)
             t = tl.where(cand, t, -1.0e30)
             tm_new = tl.maximum(tm, t)
@@ -106,9 +109,9 @@ if HAVE_TRITON:
             tm = tm_new
             tl.store(fbase + offs, fu, mask=inb)
             tl.store(tbase + offs, t, mask=inb)
-        fnorm = tl.maximum(tl.sum(fsum, 0), TINY)
+        fnorm = tl.maximum(tl.sum(fsum, 0), K_TINY)
         tmax = tl.max(tm, 0)
-        tlse = tmax + tl.log(tl.maximum(tl.sum(ts * tl.exp(tm - tmax), 0), TINY))
+        tlse = tmax + tl.log(tl.maximum(tl.sum(ts * tl.exp(tm - tmax), 0), K_TINY))
         # (C) lambda* = <f, f - r> / ||f - r||^2, clipped (or the fixed lambda)
         num = tl.zeros([BLOCK], dtype=tl.float32)
         den = tl.zeros([BLOCK], dtype=tl.float32)
@@ -123,7 +126,7 @@ if HAVE_TRITON:
             den += diff * diff
         numt = tl.sum(num, 0)
         dent = tl.sum(den, 0)
-        lam = tl.where(dent > 0, numt / tl.maximum(dent, TINY), 0.0)
+        lam = tl.where(dent > 0, numt / tl.maximum(dent, K_TINY), 0.0)
         lam = tl.minimum(tl.maximum(lam, 0.0), lam_clip)
         if lam_fixed >= 0:
             lam = lam_fixed
@@ -136,14 +139,14 @@ if HAVE_TRITON:
             cand = inb & (offs >= sinks)
             f = tl.load(fbase + offs, mask=inb, other=0.0) / fnorm
             r = tl.where(cand, tl.exp(tl.load(tbase + offs, mask=inb, other=-1.0e30) - tlse), 0.0)
-            u = (tl.log(tl.maximum(f, TINY)) + lam * tl.log(tl.maximum(r, TINY))) / (1.0 + lam)
+            u = (tl.log(tl.maximum(f, K_TINY)) + lam * tl.log(tl.maximum(r, K_TINY))) / (1.0 + lam)
             u = tl.where(cand, u, -1.0e30)
             um_new = tl.maximum(um, u)
             us = us * tl.exp(um - um_new) + tl.where(cand, tl.exp(u - um_new), 0.0)
             um = um_new
             tl.store(fbase + offs, u, mask=inb)
         umax = tl.max(um, 0)
-        ulse = umax + tl.log(tl.maximum(tl.sum(us * tl.exp(um - umax), 0), TINY))
+        ulse = umax + tl.log(tl.maximum(tl.sum(us * tl.exp(um - umax), 0), K_TINY))
         tl.store(STATS + pid, ulse)
 
     @triton.jit
@@ -152,10 +155,10 @@ if HAVE_TRITON:
         p = offs + d
         ok = (p >= sinks) & (p < n)
         u = tl.load(fb + p[None, :], mask=hmask[:, None] & ok[None, :], other=-1.0e30)
-        x = tl.where(ok[None, :], u - stats[:, None], LOWEST)
-        return tl.where(x < -1.0e30, LOWEST, x)
+        x = tl.where(ok[None, :], u - stats[:, None], K_LOWEST)
+        return tl.where(x < -1.0e30, K_LOWEST, x)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "sinks"])
     def _mix_kernel(F, STATS, OUT, n, sinks, nms_strength, excl_strength, excl_temp, sf_b, sf_h,
                     H: tl.constexpr, HP: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, EXCL: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)

@@ -119,6 +119,7 @@ class GraphSFI:
         self.any_sfi = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
         self.refreshes = 0
+        self._warmed: set[tuple] = set()
         log.info("sfi: %d slots, C=%d, %.2f GiB of compact buffers", S, C,
                  2 * self.ck.numel() * self.ck.element_size() / 2**30)
 
@@ -228,11 +229,28 @@ class GraphSFI:
             req.sfi = None
             return None
         slot = self.free.pop(0)
+        self._warm(cfg)
         st = SlotState(cfg, RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
                        len(req.prompt_ids), slot, ring_pos=[-1] * ring_size(cfg))
         self.cpos[:, slot].fill_(-1)
         req.state = st
         return st
+
+    def _warm(self, cfg: SFIConfig) -> None:
+        """Compile the refresh kernels for these options' row counts now (at admission, during the
+        prompt) rather than inside the first slow step of a decoding request."""
+        key = (cfg.obs_window, cfg.prefill_window, fused_supported(cfg))
+        if key in self._warmed:
+            return
+        self._warmed.add(key)
+        keys = self._keys(0)
+        bt = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
+        n = keys.shape[1]  # one block
+        for rows in sorted({cfg.obs_window, cfg.prefill_window}):
+            q = torch.zeros(1, self.hkv, self.g * rows, self.d, dtype=self.ring.dtype, device=self.device)
+            logits, norms = paged_logits(q, keys, bt, n)
+            if fused_supported(cfg):
+                topk_sorted(selector_scores(cfg, logits, norms, n - 1), 1)
 
     def _release(self, req: RowRequest) -> None:
         st = req.state
