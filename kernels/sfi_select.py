@@ -201,8 +201,9 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, now: int, ou
     bsz, h, r, n = logits.shape
     assert logits.stride(-1) == 1 and norms.stride(-1) == 1
     dev = logits.device
-    f = scratch if scratch is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
-    t = out if out is not None else torch.empty(bsz, h, n, dtype=torch.float32, device=dev)
+    n16 = -(-n // 16) * 16  # rows padded to 16 entries: strides stay multiples of 16 (one compiled variant)
+    f = scratch if scratch is not None else torch.empty(bsz, h, n16, dtype=torch.float32, device=dev)[..., :n]
+    t = out if out is not None else torch.empty(bsz, h, n16, dtype=torch.float32, device=dev)[..., :n]
     stats = torch.empty(bsz * h, dtype=torch.float32, device=dev)
     rp = max(2, triton.next_power_of_2(r))
     block = max(64, min(1024, 4096 // rp))

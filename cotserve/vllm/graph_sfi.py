@@ -38,6 +38,14 @@ from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
 log = logging.getLogger(__name__)
 
 
+def padded(*shape: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """An uninitialized tensor of `shape` whose rows are allocated to a multiple of 16 entries: the
+    strides the refresh kernels see are then multiples of 16 whatever the length, so Triton
+    compiles them once (at admission) and never again inside a slow step."""
+    *lead, last = shape
+    return torch.empty(*lead, -(-max(last, 1) // 16) * 16, dtype=dtype, device=device)[..., :last]
+
+
 def ring_size(cfg: SFIConfig) -> int:
     """Query rows a request keeps per layer: the bootstrap's `prefill_window` prompt rows and the
     slow steps' `obs_window` decode rows (position p at index p % size)."""
@@ -228,8 +236,8 @@ class GraphSFI:
                         "(raise COTSERVE_VLLM_SFI_SLOTS)", self.slots)
             req.sfi = None
             return None
-        slot = self.free.pop(0)
         self._warm(cfg)
+        slot = self.free.pop(0)
         st = SlotState(cfg, RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
                        len(req.prompt_ids), slot, ring_pos=[-1] * ring_size(cfg))
         self.cpos[:, slot].fill_(-1)
@@ -243,14 +251,20 @@ class GraphSFI:
         if key in self._warmed:
             return
         self._warmed.add(key)
-        keys = self._keys(0)
-        bt = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
-        n = keys.shape[1]  # one block
+        kc, vc = self._kv(0)
+        dev = self.device
+        bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        n = kc.shape[1]  # one block
         for rows in sorted({cfg.obs_window, cfg.prefill_window}):
-            q = torch.zeros(1, self.hkv, self.g * rows, self.d, dtype=self.ring.dtype, device=self.device)
-            logits, norms = paged_logits(q, keys, bt, n)
+            q = torch.zeros(1, self.hkv, self.g * rows, self.d, dtype=self.ring.dtype, device=dev)
+            logits, norms = padded(1, self.hkv, self.g * rows, n, device=dev), padded(1, self.hkv, n, device=dev)
+            paged_logits(q, kc, bt, n, out=logits, norms=norms)
             if fused_supported(cfg):
                 topk_sorted(selector_scores(cfg, logits, norms, n - 1), 1)
+        # the re-pack, into the slot being admitted (its contents are replaced at its first refresh)
+        slot = torch.tensor([self.free[0] if self.free else 0], dtype=torch.int32, device=dev)
+        keys = padded(1, self.L, self.hkv, min(cfg.sinks + cfg.k, self.C), dtype=torch.long, device=dev).zero_()
+        paged_pack(keys[:, 0], bt, kc, vc, self.ck[0], self.cv[0], slot)
 
     def _release(self, req: RowRequest) -> None:
         st = req.state
@@ -278,10 +292,15 @@ class GraphSFI:
         for group in groups.values():
             self.refresh([st for st, _ in group], torch.stack([b for _, b in group]), block_size)
 
-    def _keys(self, layer: int) -> torch.Tensor:
+    def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's paged keys and values, views [blocks, block, H, D] of vLLM's cache."""
         kv = self.layers[layer].kv_cache
         kv = kv[0] if isinstance(kv, (list, tuple)) else kv
-        return kv.transpose(1, 2).split(self.d, dim=-1)[0]  # [blocks, block, H, D]
+        k, v = kv.transpose(1, 2).split(self.d, dim=-1)
+        return k, v
+
+    def _keys(self, layer: int) -> torch.Tensor:
+        return self._kv(layer)[0]
 
     def refresh(self, states: list[SlotState], blocks: torch.Tensor, block_size: int, budget: int = 1 << 28) -> None:
         """Evidence of the ring's rows over the first `refresh_n` entries, then selector steps 2-5
@@ -308,8 +327,8 @@ class GraphSFI:
             nl = min(self.L, l0 + chunk) - l0
             q = self.ring[l0 : l0 + nl][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
             q = (q.permute(1, 0, 3, 2, 4).reshape(j, nl, self.hkv, self.g * r, self.d) * self.scale).contiguous()
-            logits = torch.empty(j, nl, self.hkv, self.g * r, n, dtype=torch.float32, device=dev)
-            norms = torch.empty(j, nl, self.hkv, n, dtype=torch.float32, device=dev)
+            logits = padded(j, nl, self.hkv, self.g * r, n, device=dev)
+            norms = padded(j, nl, self.hkv, n, device=dev)
             for i in range(nl):  # one read of the layer's keys, in place in the paged cache
                 paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, i])
             logits = logits.view(j, nl, self.hkv, self.g, r, n)
@@ -331,16 +350,16 @@ class GraphSFI:
             f = torch.cat(fs, 1)  # [J, L, H, n]
             keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), torch.cat(norms_all, 1), now)
         ns = min(cfg.sinks, n)
-        keys = torch.cat([pos[:ns].expand(j, self.L, self.hkv, ns), keep], dim=-1)  # [J, L, H, m]
-        m = keys.shape[-1]
+        m = ns + keep.shape[-1]
+        keys = padded(j, self.L, self.hkv, m, dtype=torch.long, device=dev)  # [J, L, H, m]
+        keys[..., :ns] = pos[:ns]
+        keys[..., ns:] = keep
         self.cpos[:, slots] = -1
         self.cpos[:, slots, :, :m] = keys.transpose(0, 1).to(torch.int32)
         # pack: read only the kept entries, straight from the paged cache
         slots32 = slots.to(torch.int32)
         for li in range(self.L):
-            kv = self.layers[li].kv_cache
-            kv = kv[0] if isinstance(kv, (list, tuple)) else kv
-            kc, vc = kv.transpose(1, 2).split(self.d, dim=-1)  # [blocks, block, H, D]
+            kc, vc = self._kv(li)
             paged_pack(keys[:, li], blocks, kc, vc, self.ck[li], self.cv[li], slots32)
         for st in states:
             st.k_eff = keep.shape[-1]
