@@ -270,7 +270,7 @@ def paged_logits_reference(q: torch.Tensor, key_cache: torch.Tensor, block_table
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["n"])
+    @triton.jit(do_not_specialize=["n", "sbt_j"])
     def _paged_logits_kernel(Q, KC, BT, OUT, NORM, n, sq_j, sq_h, sq_r, skc_b, skc_o, skc_h, sbt_j,
                              so_j, so_h, so_r, sn_j, sn_h, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
                              BS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -331,7 +331,7 @@ def paged_pack_reference(keys: torch.Tensor, block_table: torch.Tensor, key_cach
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["m"])
+    @triton.jit(do_not_specialize=["m", "sbt_j"])
     def _pack_kernel(KEYS, BT, KC, VC, CK, CV, SLOTS, m, sk_j, sk_h, sbt_j, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
                      sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, D: tl.constexpr, BS: tl.constexpr,
                      BLOCK: tl.constexpr):
