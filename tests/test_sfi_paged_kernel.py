@@ -107,3 +107,22 @@ def test_paged_logits_matches_reference(n):
     want, wnorm = sp.paged_logits_reference(q, kc, bt, n)
     got, gnorm = sp.paged_logits(q, kc, bt, n, block_n=16)
     assert torch.allclose(got, want, atol=1e-4) and torch.allclose(gnorm, wnorm, atol=1e-4)
+
+
+def test_ring_write_matches_reference():
+    """Rows of a strided q (vLLM's q is a view into the fused qkv) land in their (slot, index);
+    writes to the scratch slot are dropped; tokens past the end are clamped to the last."""
+    gen = torch.Generator().manual_seed(3)
+    t, hq, d, slots, w = 5, 4, 8, 3, 6
+    qkv = torch.randn(t, hq * d + 2 * d, generator=gen)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    w_tok = torch.tensor([0, 4, 2, 9, 1], dtype=torch.long)
+    w_slot = torch.tensor([1, 0, slots, 2, slots], dtype=torch.long)
+    w_idx = torch.tensor([5, 0, 3, 2, 1], dtype=torch.long)
+    want = torch.zeros(slots + 1, w, hq, d)
+    sp.ring_write_reference(q, want, w_tok, w_slot, w_idx)
+    got = torch.zeros(slots + 1, w, hq, d)
+    sp.ring_write(q, got, w_tok, w_slot, w_idx)
+    assert torch.equal(got[:slots], want[:slots])
+    assert torch.equal(got[1, 5], q[0]) and torch.equal(got[2, 2], q[4])  # token 9 clamped to the last
+    assert torch.all(got[slots] == 0)  # scratch writes skipped

@@ -102,3 +102,18 @@ def test_paged_fast_step_equals_eager_fast_step(setup):
     sfi_paged_fast_reference(q, out, g.ck[layer], g.cv[layer], g.cpos[layer], kc, vc, blocks.view(1, -1),
                              i32(1), i32(slot), i32(1), i32(ws), i32(n), 0.25)
     assert torch.allclose(out[1], want, atol=1e-5)
+
+
+def test_warm_up_at_admission_leaves_other_slots_alone(setup):
+    """The refresh kernels are compiled when a request is admitted; that warm-up writes only into
+    the slot being admitted (replaced at its first refresh), once per set of options."""
+    _, _, cfg, g = setup
+    g.ck.normal_()
+    before = g.ck.clone()
+    admitted = g.free[0]
+    g._warm(cfg)
+    g._warm(cfg)
+    assert len(g._warmed) == 1
+    others = [s for s in range(g.slots) if s != admitted]
+    assert torch.equal(g.ck[:, others], before[:, others])
+    assert torch.equal(g.ck[1:], before[1:])

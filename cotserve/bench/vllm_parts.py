@@ -18,9 +18,7 @@ import torch
 
 def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int = 2112, window: int = 256,
                 context: int = 8192, bs: int = 16) -> dict:
-    import triton
-
-    from cotserve.kernels.sfi_paged import sfi_paged_fast
+    from cotserve.kernels.sfi_paged import ring_write, ring_write_reference, sfi_paged_fast
 
     dev = torch.device("cuda")
     nb = rows * (context // bs + 1)
@@ -37,19 +35,48 @@ def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int =
     ws = lens - window
     out = torch.empty_like(q)
     res = {}
-    for splits in (1, None):
-        ms = triton.testing.do_bench(lambda s=splits: sfi_paged_fast(q, out, ck, cv, cpos, kc, vc, bt, mode, slot,
-                                                                    slot, ws, lens, 0.088, splits=s), quantiles=[0.5])
-        ms = ms[0] if isinstance(ms, (list, tuple)) else ms
+    for name, splits in (("single", 1), ("auto", None), ("split2", 2), ("split4", 4), ("split8", 8)):
+        ms = graph_ms(lambda s=splits: sfi_paged_fast(q, out, ck, cv, cpos, kc, vc, bt, mode, slot, slot, ws, lens,
+                                                      0.088, splits=s))
         moved = rows * hkv * (c + window) * d * 2 * 2
-        res["single" if splits == 1 else "split"] = {"ms": round(ms, 4), "GB/s": round(moved / ms / 1e6, 1)}
-    return {"part": "fast_kernel", "rows": rows, "entries": c + window, **res}
+        res[name] = {"ms": round(ms, 4), "GB/s": round(moved / ms / 1e6, 1)}
+    ring = torch.zeros(rows + 1, 32, hkv * g, d, device=dev, dtype=torch.bfloat16)
+    w_tok = torch.arange(rows * 4, device=dev) % rows
+    w_slot = torch.where(torch.arange(rows * 4, device=dev) < rows, w_tok, rows)
+    w_idx = torch.zeros_like(w_tok)
+    res["ring_write"] = {"triton_ms": round(graph_ms(lambda: ring_write(q, ring, w_tok, w_slot, w_idx)), 4),
+                         "torch_ms": round(graph_ms(lambda: ring_write_reference(q, ring, w_tok, w_slot, w_idx)), 4)}
+    return {"part": "fast_kernel", "timing": "cuda graph", "rows": rows, "entries": c + window, **res}
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Milliseconds per call of `fn` replayed from a CUDA graph (no Python launch overhead, as
+    inside vLLM's captured decode step)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (5 * reps)
 
 
 def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 16) -> dict:
     from cotserve.policies.sfi.config import SFIConfig
     from cotserve.policies.sfi.trigger import RefreshTrigger
-    from cotserve.vllm.graph_sfi import GraphSFI, SlotState
+    from cotserve.vllm.graph_sfi import GraphSFI, SlotState, ring_size
     from cotserve.vllm.requests import BatchRows
 
     dev = torch.device("cuda")
@@ -58,12 +85,13 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
               for _ in range(layers)]
     rt = GraphSFI(caches, hq, hkv, d, 0.088, torch.bfloat16, dev, slots=j, max_rows=j, rows=BatchRows())
     rt.ring.normal_()
-    cfg = SFIConfig(k=2048, recent=256, dense_heads=0)
+    cfg = SFIConfig(k=2048, recent=256)
     blocks = torch.randperm(nb, device=dev)[: j * (n // bs)].view(j, -1).to(torch.int32)
+    w = ring_size(cfg)
 
-    def states():
-        return [SlotState(cfg, RefreshTrigger(), n, s, ring_pos=[n - 8 + ((i - n) % 8) for i in range(8)],
-                          refresh_n=n) for s in range(j)]
+    def states():  # a slow step's refresh: the ring holds the last w positions, obs_window rows are due
+        return [SlotState(cfg, RefreshTrigger(), n, s, ring_pos=[n - w + ((i - n) % w) for i in range(w)],
+                          refresh_n=n, refresh_lo=n - cfg.obs_window) for s in range(j)]
 
     rt.refresh(states(), blocks, bs)  # warm-up
     torch.cuda.synchronize()
@@ -87,13 +115,15 @@ def profile_refresh(j: int = 4, n: int = 32768) -> None:
 
 
 def main() -> None:
-    if "--profile" in sys.argv:
-        profile_refresh()
+    if "--profile" in sys.argv:  # --profile [J N]
+        i = sys.argv.index("--profile")
+        args = [int(a) for a in sys.argv[i + 1 : i + 3]]
+        profile_refresh(*args)
         return
     for fn, kw in [(time_kernel, {}), (time_kernel, {"rows": 8}), (time_kernel, {"rows": 4}),
                    (time_refresh, {"j": 1, "n": 8192}),
-                   (time_refresh, {"j": 16, "n": 8192}), (time_refresh, {"j": 4, "n": 32768}),
-                   (time_refresh, {"j": 1, "n": 131072})]:
+                   (time_refresh, {"j": 16, "n": 8192}), (time_refresh, {"j": 16, "n": 32768}),
+                   (time_refresh, {"j": 8, "n": 65536}), (time_refresh, {"j": 4, "n": 131072})]:
         try:
             print(json.dumps(fn(**kw)), flush=True)
         except Exception as exc:  # one failing part must not hide the others

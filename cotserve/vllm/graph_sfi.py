@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cotserve.kernels.sfi_paged import paged_logits
+from cotserve.kernels.sfi_paged import paged_logits, paged_pack, ring_write
+from cotserve.kernels.sfi_select import fused_supported, selector_scores, topk_sorted
 from cotserve.policies import selector as sel
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.sfi.config import SFIConfig
@@ -35,6 +36,14 @@ from cotserve.policies.sfi.trigger import RefreshTrigger
 from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
 
 log = logging.getLogger(__name__)
+
+
+def padded(*shape: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """An uninitialized tensor of `shape` whose rows are allocated to a multiple of 16 entries: the
+    strides the refresh kernels see are then multiples of 16 whatever the length, so Triton
+    compiles them once (at admission) and never again inside a slow step."""
+    *lead, last = shape
+    return torch.empty(*lead, -(-max(last, 1) // 16) * 16, dtype=dtype, device=device)[..., :last]
 
 
 def ring_size(cfg: SFIConfig) -> int:
@@ -118,6 +127,7 @@ class GraphSFI:
         self.any_sfi = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
         self.refreshes = 0
+        self._warmed: set[tuple] = set()
         log.info("sfi: %d slots, C=%d, %.2f GiB of compact buffers", S, C,
                  2 * self.ck.numel() * self.ck.element_size() / 2**30)
 
@@ -226,12 +236,35 @@ class GraphSFI:
                         "(raise COTSERVE_VLLM_SFI_SLOTS)", self.slots)
             req.sfi = None
             return None
+        self._warm(cfg)
         slot = self.free.pop(0)
         st = SlotState(cfg, RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
                        len(req.prompt_ids), slot, ring_pos=[-1] * ring_size(cfg))
         self.cpos[:, slot].fill_(-1)
         req.state = st
         return st
+
+    def _warm(self, cfg: SFIConfig) -> None:
+        """Compile the refresh kernels for these options' row counts now (at admission, during the
+        prompt) rather than inside the first slow step of a decoding request."""
+        key = (cfg.obs_window, cfg.prefill_window, fused_supported(cfg))
+        if key in self._warmed:
+            return
+        self._warmed.add(key)
+        kc, vc = self._kv(0)
+        dev = self.device
+        bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        n = kc.shape[1]  # one block
+        for rows in sorted({cfg.obs_window, cfg.prefill_window}):
+            q = torch.zeros(1, self.hkv, self.g * rows, self.d, dtype=self.ring.dtype, device=dev)
+            logits, norms = padded(1, self.hkv, self.g * rows, n, device=dev), padded(1, self.hkv, n, device=dev)
+            paged_logits(q, kc, bt, n, out=logits, norms=norms)
+            if fused_supported(cfg):
+                topk_sorted(selector_scores(cfg, logits, norms, n - 1), 1)
+        # the re-pack, into the slot being admitted (its contents are replaced at its first refresh)
+        slot = torch.tensor([self.free[0] if self.free else 0], dtype=torch.int32, device=dev)
+        keys = padded(1, self.L, self.hkv, min(cfg.sinks + cfg.k, self.C), dtype=torch.long, device=dev).zero_()
+        paged_pack(keys[:, 0], bt, kc, vc, self.ck[0], self.cv[0], slot)
 
     def _release(self, req: RowRequest) -> None:
         st = req.state
@@ -245,9 +278,7 @@ class GraphSFI:
     # -- inside the step (captured) -------------------------------------------------------------
     def write_ring(self, layer: int, q: torch.Tensor) -> None:
         """The step's query rows of SFI requests into their rings (scratch slot for the rest)."""
-        t = q.shape[0]
-        idx = self.w_tok.clamp(max=t - 1)
-        self.ring[layer].index_put_((self.w_slot, self.w_idx), q[idx])
+        ring_write(q, self.ring[layer], self.w_tok, self.w_slot, self.w_idx)
         for tok, slot, w in self.extra_writes:  # long prompt chunks with many SFI requests: eager steps only
             self.ring[layer, slot, w] = q[tok]
 
@@ -261,10 +292,15 @@ class GraphSFI:
         for group in groups.values():
             self.refresh([st for st, _ in group], torch.stack([b for _, b in group]), block_size)
 
-    def _keys(self, layer: int) -> torch.Tensor:
+    def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's paged keys and values, views [blocks, block, H, D] of vLLM's cache."""
         kv = self.layers[layer].kv_cache
         kv = kv[0] if isinstance(kv, (list, tuple)) else kv
-        return kv.transpose(1, 2).split(self.d, dim=-1)[0]  # [blocks, block, H, D]
+        k, v = kv.transpose(1, 2).split(self.d, dim=-1)
+        return k, v
+
+    def _keys(self, layer: int) -> torch.Tensor:
+        return self._kv(layer)[0]
 
     def refresh(self, states: list[SlotState], blocks: torch.Tensor, block_size: int, budget: int = 1 << 28) -> None:
         """Evidence of the ring's rows over the first `refresh_n` entries, then selector steps 2-5
@@ -284,39 +320,47 @@ class GraphSFI:
         slots = torch.tensor([st.slot for st in states], device=dev)
         pos = torch.arange(n, device=dev)
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
-        fs = []
-        norms = torch.empty(j, self.L, self.hkv, n, dtype=torch.float32, device=dev)
+        fused = fused_supported(cfg)
+        k_eff = max(0, min(cfg.k, n - cfg.sinks))
+        keeps, fs, norms_all = [], [], []
         for l0 in range(0, self.L, chunk):
             nl = min(self.L, l0 + chunk) - l0
             q = self.ring[l0 : l0 + nl][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
             q = (q.permute(1, 0, 3, 2, 4).reshape(j, nl, self.hkv, self.g * r, self.d) * self.scale).contiguous()
-            logits = torch.empty(j, nl, self.hkv, self.g * r, n, dtype=torch.float32, device=dev)
+            logits = padded(j, nl, self.hkv, self.g * r, n, device=dev)
+            norms = padded(j, nl, self.hkv, n, device=dev)
             for i in range(nl):  # one read of the layer's keys, in place in the paged cache
-                paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, l0 + i])
+                paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, i])
             logits = logits.view(j, nl, self.hkv, self.g, r, n)
             logits[..., : cfg.sinks] = float("-inf")
             if oldest + 1 < n:  # causal: a row sees no entry newer than itself
                 tail = logits[..., oldest + 1 :]
                 tail.masked_fill_(pos[oldest + 1 :] > row_pos.view(r, 1), float("-inf"))
-            f, _ = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, 0, False)
-            fs.append(f)
-        f = torch.cat(fs, 1)  # [J, L, H, n]
-        keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), norms, now)
+            if fused:  # the whole selector in two kernels, then the top-K
+                scores = selector_scores(cfg, logits.view(j * nl, self.hkv, self.g * r, n),
+                                         norms.view(j * nl, self.hkv, n), now)
+                keeps.append(topk_sorted(scores, k_eff).view(j, nl, self.hkv, k_eff))
+            else:
+                f, _ = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, 0, False)
+                fs.append(f)
+                norms_all.append(norms)
+        if fused:
+            keep = torch.cat(keeps, 1)  # [J, L, H, k]
+        else:
+            f = torch.cat(fs, 1)  # [J, L, H, n]
+            keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), torch.cat(norms_all, 1), now)
         ns = min(cfg.sinks, n)
-        keys = torch.cat([pos[:ns].expand(j, self.L, self.hkv, ns), keep], dim=-1)  # [J, L, H, m]
-        m = keys.shape[-1]
+        m = ns + keep.shape[-1]
+        keys = padded(j, self.L, self.hkv, m, dtype=torch.long, device=dev)  # [J, L, H, m]
+        keys[..., :ns] = pos[:ns]
+        keys[..., ns:] = keep
         self.cpos[:, slots] = -1
         self.cpos[:, slots, :, :m] = keys.transpose(0, 1).to(torch.int32)
         # pack: read only the kept entries, straight from the paged cache
-        blk = torch.gather(blocks.long(), 1, (keys // block_size).flatten(1)).view_as(keys)  # [J, L, H, m]
-        off = keys % block_size
-        heads = torch.arange(self.hkv, device=dev).view(1, self.hkv, 1)
+        slots32 = slots.to(torch.int32)
         for li in range(self.L):
-            kv = self.layers[li].kv_cache
-            kv = kv[0] if isinstance(kv, (list, tuple)) else kv
-            kc, vc = kv.transpose(1, 2).split(self.d, dim=-1)  # [blocks, block, H, D]
-            self.ck[li, slots, :, :m] = kc[blk[:, li], off[:, li], heads]
-            self.cv[li, slots, :, :m] = vc[blk[:, li], off[:, li], heads]
+            kc, vc = self._kv(li)
+            paged_pack(keys[:, li], blocks, kc, vc, self.ck[li], self.cv[li], slots32)
         for st in states:
             st.k_eff = keep.shape[-1]
 

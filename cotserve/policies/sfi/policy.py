@@ -78,6 +78,13 @@ def select_from_evidence(cfg: SFIConfig, f: torch.Tensor, positions: torch.Tenso
     k_eff = min(cfg.k, s - cfg.sinks)
     if k_eff <= 0:
         return torch.empty(*f.shape[:-1], 0, dtype=torch.long, device=f.device)
+    return sel.topk_per_head(selector_scores_from_evidence(cfg, f, positions, key_norms, now), k_eff)
+
+
+def selector_scores_from_evidence(cfg: SFIConfig, f: torch.Tensor, positions: torch.Tensor, key_norms: torch.Tensor,
+                                  now: int) -> torch.Tensor:
+    """Selector steps 2-4 (prior, fusion, soft-NMS, cross-head exclusivity): the final log score
+    [..., H, S] of every entry, -inf outside the candidates; the top-K of it is the selection."""
     cand = candidates(cfg, f.shape, f.device)
     factors = [sel.position_prior(positions, now, cfg.decay, cfg.tail_len, cfg.brake)]
     if cfg.norm_power != 0.0:
@@ -87,8 +94,7 @@ def select_from_evidence(cfg: SFIConfig, f: torch.Tensor, positions: torch.Tenso
     fuse = sel.geometric_fusion if cfg.fusion == "geometric" else sel.linear_fusion
     logs = fuse(f, r, lam, cand)
     logs = sel.soft_nms(logs, cfg.nms_window, cfg.nms_strength)
-    logs = sel.cross_head_exclusivity(logs, cfg.excl_strength, cfg.excl_temperature)
-    return sel.topk_per_head(logs, k_eff)
+    return sel.cross_head_exclusivity(logs, cfg.excl_strength, cfg.excl_temperature)
 
 
 def _use_kernel(cfg: SFIConfig, device: torch.device, dtype: torch.dtype) -> bool:
