@@ -1,9 +1,8 @@
 """SFI's selector (evidence, prior, fusion, soft-NMS, cross-head exclusivity) fused for the GPU.
 
 A refresh turns each KV head's logits of the observation rows over the whole history into a score
-per entry, then keeps the top K. The torch form (`cotserve.policies.selector`, steps 1-4, through
-`selector_scores_reference`) runs a few dozen passes over `[..., H, n]` float32 tensors; here the
-same values come from two kernels:
+per entry, then keeps the top K. The torch form (`cotserve.policies.selector`, steps 1-4) runs a few dozen passes over `[..., H, n]` float32 tensors; here the
+same values come from two kernels (the torch form is the reference they are tested against):
 
 * `_head_kernel`, one program per (problem, KV head), four passes over n: (A) each row's softmax
   statistics and the key-norm mean, (B) the evidence (power mean of the row softmaxes) and the
@@ -196,7 +195,7 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, now: int, ou
                     scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The selector's final log scores `[B, H, n]` float32 (before top-K) from `logits [B, H, R, n]`
     (float32, -inf where a row may not look) and key norms `[B, H, n]`; positions are 0..n-1 and
-    `now` the newest row's position. Same values as `selector_scores_reference` up to float
+    `now` the newest row's position. Same values as the torch selector (`cotserve.policies`) up to float
     rounding. `cfg` is an SFIConfig with `fused_supported(cfg)`."""
     bsz, h, r, n = logits.shape
     assert logits.stride(-1) == 1 and norms.stride(-1) == 1
@@ -223,19 +222,6 @@ def selector_scores(cfg, logits: torch.Tensor, norms: torch.Tensor, now: int, ou
                                                W=cfg.nms_window if cfg.nms_strength != 0.0 else 0, BLOCK=mblock,
                                                EXCL=excl)
     return t
-
-
-def selector_scores_reference(cfg, logits: torch.Tensor, norms: torch.Tensor, now: int) -> torch.Tensor:
-    """The torch form: `cotserve.policies`' evidence and selector steps 2-4 on the same inputs."""
-    from cotserve.policies import selector as sel
-    from cotserve.policies.sfi.policy import selector_scores_from_evidence
-
-    bsz, h, r, n = logits.shape
-    x = logits.clone()
-    x[..., : cfg.sinks] = float("-inf")
-    f, _ = sel.evidence_and_instability(x.view(bsz, h, 1, r, n), cfg.alpha, cfg.k, cfg.recent, 0, False)
-    pos = torch.arange(n, device=logits.device).expand(bsz, h, n)
-    return selector_scores_from_evidence(cfg, f, pos, norms, now)
 
 
 def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -10,11 +10,23 @@ import torch
 
 from cotserve.kernels import sfi_paged as sp
 from cotserve.kernels import sfi_select as ss
+from cotserve.policies import selector as sel
 from cotserve.policies.sfi.config import SFIConfig
+from cotserve.policies.sfi.policy import selector_scores_from_evidence
 
 pytestmark = pytest.mark.skipif(not ss.HAVE_TRITON, reason="triton not installed")
 
 BASE = SFIConfig(sinks=4, recent=16, k=24)
+
+
+def selector_scores_reference(cfg, logits, norms, now):
+    """The torch form: `cotserve.policies`' evidence and selector steps 2-4 on the same inputs."""
+    bsz, h, r, n = logits.shape
+    x = logits.clone()
+    x[..., : cfg.sinks] = float("-inf")
+    f, _ = sel.evidence_and_instability(x.view(bsz, h, 1, r, n), cfg.alpha, cfg.k, cfg.recent, 0, False)
+    pos = torch.arange(n, device=logits.device).expand(bsz, h, n)
+    return selector_scores_from_evidence(cfg, f, pos, norms, now)
 
 
 def _inputs(seed: int, b: int, h: int, r: int, n: int, causal: int = 0):
@@ -42,7 +54,7 @@ def test_fused_selector_matches_torch(opts, shape):
     b, h, r, n, causal = shape
     logits, norms = _inputs(n + len(opts), b, h, r, n, causal)
     now = n - 1
-    want = ss.selector_scores_reference(cfg, logits, norms, now)
+    want = selector_scores_reference(cfg, logits, norms, now)
     got = ss.selector_scores(cfg, logits.clone(), norms, now)
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got))
@@ -93,7 +105,7 @@ def test_fused_selector_cuda_real_shapes():
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(6, 8, 4, 8192, generator=gen) * 4.0).cuda()
     norms = (torch.rand(6, 8, 8192, generator=gen) * 4.0 + 0.1).cuda()
-    want = ss.selector_scores_reference(cfg, logits, norms, 8191)
+    want = selector_scores_reference(cfg, logits, norms, 8191)
     got = ss.selector_scores(cfg, logits.clone(), norms, 8191)
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got))
