@@ -1,8 +1,9 @@
 """SFI's selector (evidence, prior, fusion, soft-NMS, cross-head exclusivity) fused for the GPU.
 
 A refresh turns each KV head's logits of the observation rows over the whole history into a score
-per entry, then keeps the top K. The torch form (`cotserve.policies.selector`, steps 1-4) runs a few dozen passes over `[..., H, n]` float32 tensors; here the
-same values come from two kernels (the torch form is the reference they are tested against):
+per entry, then keeps the top K. The torch form (`cotserve.policies.selector`, steps 1-4) runs a
+few dozen passes over `[..., H, n]` float32 tensors; here the same values come from two kernels
+(the torch form is their reference):
 
 * `_head_kernel`, one program per (problem, KV head), four passes over n: (A) each row's softmax
   statistics and the key-norm mean, (B) the evidence (power mean of the row softmaxes) and the
@@ -14,7 +15,8 @@ same values come from two kernels (the torch form is the reference they are test
 Positions are the entry indices (`0..n-1`, as in vLLM's paged cache), candidates those from
 `sinks` on; `logits [B, H, R, n]` are already -inf wherever a row may not look (causal), as the
 torch form expects. The paper's geometric fusion and alpha > 0 only: other options take the torch
-form (`fused_supported`). Tested against the torch form on random inputs (`tests/test_sfi_select_kernel.py`).
+form (`fused_supported`). Tested against the torch form on random inputs
+(`tests/test_sfi_select_kernel.py`).
 """
 
 from __future__ import annotations
