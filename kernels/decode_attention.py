@@ -23,8 +23,6 @@ Triton kernel on CUDA. Tests run the kernel on the CPU under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:  # Triton is optional: the torch reference covers every platform
@@ -129,12 +127,6 @@ if HAVE_TRITON:
         denom = tl.where(l_i > 0, l_i, 1.0)
         out = acc / denom[:, None]
         tl.store(Out + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask_g[:, None])
-
-
-def triton_usable(device: torch.device) -> bool:
-    if not HAVE_TRITON:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def decode_attention_triton(q, k1, v1, len1, k2, v2, start2, len2, skip, scale: float,

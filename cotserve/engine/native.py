@@ -327,7 +327,7 @@ class NativeEngine:
         if r.forced_ids is not None and len(s.out_ids) < len(r.forced_ids):
             tok = int(r.forced_ids[len(s.out_ids)])
         else:
-            tok = greedy if r.sampling.temperature <= 0 else sample_next(logits, r.sampling, s.generator, s.out_ids)
+            tok = greedy if r.sampling.temperature <= 0 else sample_next(logits, r.sampling, s.generator)
         s.out_ids.append(tok)
         sp = r.sampling
         if sp.logprobs is not None:

@@ -74,8 +74,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-                history: list[int] | None = None) -> int:
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token from a [V] float logit row."""
     if params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
