@@ -328,3 +328,43 @@ def test_bench_serve_against_the_server(server):
     assert rep["ok"] == 4 and rep["errors"] == 0 and rep["model"] == MODEL
     assert 4 <= rep["completion_tokens"] <= 12  # 4 requests, at most 3 tokens each (usage chunks)
     assert set(rep["latency_s"]) == {"p50", "p95", "p99", "mean"} and rep["ttft_s"]["p50"] <= rep["latency_s"]["p99"]
+
+
+def _samples(url: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_time_tokens_as_they_arrive(server):
+    """TTFT is observed at the first token for streamed and non-streamed requests alike (below the
+    request's latency), one inter-token gap per later token, token-length histograms, and vLLM's
+    metric names with the model name."""
+    before = _samples(server.url)
+    r = post(server.url, body(max_tokens=8, ignore_eos=True))
+    assert r.status_code == 200
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body(max_tokens=8, ignore_eos=True, stream=True),
+                      timeout=120) as s:
+        assert s.status_code == 200
+        for _ in s.iter_lines():
+            pass
+    after = _samples(server.url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("cotserve_time_to_first_token_seconds_count") == 2
+    assert delta("cotserve_request_latency_seconds_count") == 2
+    assert delta("cotserve_time_to_first_token_seconds_sum") < delta("cotserve_request_latency_seconds_sum")
+    assert delta("cotserve_inter_token_latency_seconds_count") == 2 * 7  # 8 tokens: 7 gaps each
+    assert delta("cotserve_request_generation_tokens_sum", policy="dense") == 16
+    assert delta("cotserve_request_generation_tokens_count", policy="dense") == 2
+    assert delta("vllm:time_to_first_token_seconds_count", model_name=MODEL) == 2
+    assert delta("vllm:generation_tokens_total", model_name=MODEL) == 16
+    assert delta("vllm:request_success_total", model_name=MODEL, finished_reason="length") == 2
+    assert ("vllm:num_requests_waiting", (("model_name", MODEL),)) in after

@@ -164,7 +164,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     app = FastAPI(title="cotserve", version=__version__,
                   description="OpenAI-compatible chat completions with decode-time KV policies.")
     errors.install(app)
-    metrics = Metrics()
+    metrics = Metrics(settings.model_name)
     app.state.metrics = metrics
     app.state.queue = queue
     app.state.settings = settings
@@ -436,7 +436,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     async def collect(job: Job, request: Request, n: int, on_event) -> tuple[list[dict[str, Any]], float]:
         """Run a job to its end, handing each delta/done event to `on_event`; returns the done
         events (by choice index) and the latency."""
-        t0 = time.perf_counter()
+        clock = metrics.clock()
         dones: list[dict[str, Any] | None] = [None] * n
         gen = events(job, request, n)
         try:
@@ -446,6 +446,8 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
                 if ev["t"] == "error":
                     raise APIError(int(ev.get("status", 500)), ev.get("message", "worker error"), code=ev.get("code"))
                 on_event(ev)
+                if ev["t"] == "delta":
+                    clock.tokens(ev.get("i", 0), len(ev.get("ids") or ()))
                 if ev["t"] == "done":
                     dones[ev.get("i", 0)] = ev
         finally:
@@ -453,11 +455,9 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         if any(d is None for d in dones):  # the client went away; nobody reads this
             raise APIError(499, "the client disconnected; the request was cancelled", code="cancelled",
                            type_="invalid_request_error")
-        latency = time.perf_counter() - t0
-        metrics.latency.observe(latency)
-        metrics.ttft.observe(latency)
+        latency = clock.finish()
         for d in dones:
-            metrics.observe_done(d["usage"], d.get("telemetry", {}))
+            metrics.observe_done(d["usage"], d.get("telemetry", {}), d.get("finish_reason"))
         return dones, latency
 
     def usage_of(dones: list[dict[str, Any]]) -> dict[str, int]:
@@ -517,8 +517,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     async def _stream(job: Job, plan: ChatPlan, request: Request, include_usage: bool):
         import json
 
-        t0 = time.perf_counter()
-        first = True
+        clock = metrics.clock()
         choices = [ChatChoice(i, plan) for i in range(plan.n)]
         dones: list[dict[str, Any]] = []
         gen = events(job, request, plan.n)
@@ -534,23 +533,22 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 c = choices[ev.get("i", 0)]
+                if ev["t"] == "delta":
+                    clock.tokens(c.index, len(ev.get("ids") or ()))
                 delta = c.feed(ev["text"]) if ev["t"] == "delta" else c.finish()
                 lp = None
                 if plan.logprobs and ev.get("lp"):
                     lp = chat_logprobs(token_text, ev["ids"], ev["lp"], plan.top_logprobs)
                 if delta or lp:
-                    if first:
-                        metrics.ttft.observe(time.perf_counter() - t0)
-                        first = False
                     yield _chunk(job, delta, None, include_usage, index=c.index, logprobs=lp)
                 if ev["t"] == "done":
                     dones.append(ev)
                     c.finish_reason = ev["finish_reason"]
                     tele = ev.get("telemetry", {})
-                    metrics.observe_done(ev["usage"], tele)
+                    metrics.observe_done(ev["usage"], tele, ev.get("finish_reason"))
                     yield _chunk(job, {}, c.stream_finish_reason(), include_usage, {"cotserve": tele}, index=c.index)
                     if len(dones) == plan.n:
-                        metrics.latency.observe(time.perf_counter() - t0)
+                        clock.finish()
                         if include_usage:
                             usage = usage_of(dones)
                             yield (f"data: {json.dumps({'id': job.id, 'object': 'chat.completion.chunk', 'created': int(job.created), 'model': settings.model_name, 'system_fingerprint': None, 'choices': [], 'usage': usage, 'cotserve': telemetry_of(dones)})}\n\n")

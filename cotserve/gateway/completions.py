@@ -11,7 +11,6 @@ one request.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -180,8 +179,7 @@ def install(app: FastAPI, rt: Runtime) -> None:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     async def _stream(job, request: Request, n: int, logprobs: int | None, include_usage: bool):
-        t0 = time.perf_counter()
-        first = True
+        clock = metrics.clock()
         dones: list[dict[str, Any]] = []
         offsets = [0] * n
         gen = rt.events(job, request, n)
@@ -196,22 +194,20 @@ def install(app: FastAPI, rt: Runtime) -> None:
                     break
                 i = ev.get("i", 0)
                 if ev["t"] == "delta":
+                    clock.tokens(i, len(ev.get("ids") or ()))
                     lp = None
                     if logprobs is not None and ev.get("lp"):
                         lp = completion_logprobs(rt.token_text, ev["ids"], ev["lp"], offsets[i])
                     offsets[i] += len(ev.get("text", ""))
                     if ev.get("text") or lp:
-                        if first:
-                            metrics.ttft.observe(time.perf_counter() - t0)
-                            first = False
                         yield _chunk(job, i, ev.get("text", ""), None, lp)
                     continue
                 dones.append(ev)
                 tele = ev.get("telemetry", {})
-                metrics.observe_done(ev["usage"], tele)
+                metrics.observe_done(ev["usage"], tele, ev.get("finish_reason"))
                 yield _chunk(job, i, "", ev["finish_reason"], None, {"cotserve": tele})
                 if len(dones) == n:
-                    metrics.latency.observe(time.perf_counter() - t0)
+                    clock.finish()
                     if include_usage:
                         obj = {"id": job.id, "object": "text_completion", "created": int(job.created),
                                "model": settings.model_name, "choices": [], "usage": rt.usage_of(dones),
