@@ -375,7 +375,7 @@ def bench_serve(
     api_key: Annotated[str | None, typer.Option(help="API key (default: $COTSERVE_API_KEY).")] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
 ) -> None:
-    """Load-test a running server: latency p50/p95/p99, time to first token, tok/s, errors."""
+    """Load-test a running server: latency, time to first token and inter-token latency (p50/p95/p99), tok/s, errors."""
     import httpx
 
     from cotserve.bench.serve import run_serve_bench

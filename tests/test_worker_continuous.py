@@ -99,3 +99,34 @@ def test_scheduler_choice(engine, queue):
     assert isinstance(make_worker(engine, queue, "continuous", worker_id="b", max_batch=3), ContinuousWorker)
     with pytest.raises(CotserveError, match="scheduler"):
         make_worker(engine, queue, "fifo")
+
+
+def test_embedded_server_with_the_continuous_worker_streams_and_bench_reports_itl(engine):
+    """The embedded mode's wiring (gateway, in-process queue, continuous worker thread) under
+    `bench serve`: every stream completes; time to first token and inter-token percentiles."""
+    import threading
+
+    import httpx
+
+    from cotserve.bench.serve import run_serve_bench
+    from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
+    from cotserve.gateway.server import ServerThread
+    from cotserve.queue import InProcessQueue
+
+    q = InProcessQueue()
+    app = create_app(GatewaySettings(model_name="m"), q, PromptBuilder(engine.tokenizer, engine.info.max_positions))
+    worker = make_worker(engine, q, "continuous", 64, worker_id="w-emb", max_batch=3)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    srv = ServerThread(app)
+    url = srv.start()
+    try:
+        assert httpx.get(url + "/ready", timeout=10).status_code == 200
+        rep = run_serve_bench(url, concurrency=3, requests=5, stream=True, max_tokens=4)
+    finally:
+        srv.stop()
+        worker.stop()
+        thread.join(timeout=60)
+    assert rep["ok"] == 5 and rep["errors"] == 0
+    assert set(rep["itl_s"]) == {"p50", "p95", "p99", "mean"} and 0 < rep["itl_s"]["p50"] <= rep["latency_s"]["p99"]
+    assert rep["ttft_s"]["p50"] <= rep["latency_s"]["p50"]
