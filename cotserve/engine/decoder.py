@@ -34,7 +34,12 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 def route_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchState) -> torch.Tensor:
     """Write this forward's K/V into the cache and ask the policy stack for the attention output.
-    q [B, Hq, T, D], k/v [B, Hkv, T, D] (RoPE applied). Returns [B, Hq, T, D]."""
+    q [B, Hq, T, D], k/v [B, Hkv, T, D] (RoPE applied). Returns [B, Hq, T, D]. A batch with a
+    `route` method (the continuous engine's rows, each with its own cache and policy stack)
+    takes the whole call itself."""
+    route = getattr(batch, "route", None)
+    if route is not None:
+        return route(layer, q, k, v)
     if batch.mode == "prefill":
         batch.cache.write_prefill(layer, k, v, batch.prompt_lens)
         return batch.policy.prefill_attention(layer, q, k, v, batch)

@@ -29,6 +29,8 @@ class EngineArgs:
     threads: int | None = None
     engine: str = "native"  # native | vllm
     vllm_options: dict[str, Any] = field(default_factory=dict)  # VLLMOptions fields (--engine vllm)
+    scheduler: str = "continuous"  # continuous | static (worker_continuous.make_worker)
+    prefill_chunk: int = 256  # continuous: prompt tokens prefilled per engine step
 
 
 def make_engine(engine_args: EngineArgs):
@@ -76,15 +78,15 @@ def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedd
     """Load the model and serve `queue` from a daemon thread (the embedded default)."""
 
     def run() -> None:
-        from cotserve.worker import Worker
+        from cotserve.worker_continuous import make_worker
 
         try:
             engine = make_engine(engine_args)
         except CotserveError as exc:
             log.error("the worker cannot load its model: %s", exc)
             return
-        Worker(engine, queue, worker_id=worker_id, max_batch=engine_args.max_batch,
-               max_wait=engine_args.max_wait).run()
+        make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, worker_id=worker_id,
+                    max_batch=engine_args.max_batch, max_wait=engine_args.max_wait).run()
 
     t = threading.Thread(target=run, name="cotserve-worker", daemon=True)
     t.start()
@@ -147,14 +149,14 @@ def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_
     import signal
 
     from cotserve.queue import make_queue
-    from cotserve.worker import Worker
+    from cotserve.worker_continuous import make_worker
 
     _set_threads(engine_args.threads)
     queue = make_queue(redis_url, prefix=key_prefix)
     _check_redis(queue, redis_url)
     engine = make_engine(engine_args)
-    worker = Worker(engine, queue, worker_id=worker_id, max_batch=engine_args.max_batch,
-                    max_wait=engine_args.max_wait, heartbeat_s=heartbeat_s)
+    worker = make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, worker_id=worker_id,
+                         max_batch=engine_args.max_batch, max_wait=engine_args.max_wait, heartbeat_s=heartbeat_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     log.info("worker %s serving %s from %s (prefix %r)", worker.worker_id, engine_args.model, redis_url, key_prefix)

@@ -97,6 +97,10 @@ class Policy:
     # True when the policy keeps no per-slot state from the prefill, so slots with the same prompt
     # may share one prefill (the engine computes it once and copies the cache rows)
     prefill_shareable: ClassVar[bool] = False
+    # True when the policy's prefill hooks are the defaults (causal attention, nothing kept from
+    # the prompt's attention, nothing done after a prefill forward), so the continuous engine may
+    # prefill a long prompt in chunks interleaved with other sequences' decode steps
+    chunked_prefill: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig | None = None):
         self.config = config if config is not None else self.config_cls()
@@ -145,6 +149,13 @@ class PolicyStack:
 
     def prefill_shareable(self) -> bool:
         return all(p.prefill_shareable for p in self.parts)
+
+    def chunked_prefill(self) -> bool:
+        return all(p.chunked_prefill for p in self.parts)
+
+    def steers(self) -> bool:
+        """Whether any part overrides `steer` (the continuous engine skips the hook otherwise)."""
+        return any(type(p).steer is not Policy.steer for p in self.parts)
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
         full = max(prompt_lens) + max_new + 1

@@ -64,6 +64,7 @@ class DensePolicy(Policy):
     config: DenseConfig
     graph_safe = True  # on CUDA the engine's default (Triton) step runs
     prefill_shareable = True  # no per-sequence state from the prefill: n copies can share one
+    chunked_prefill = True  # default prefill hooks: a long prompt may be prefilled in chunks
 
     def begin(self, batch: BatchState) -> None:
         cache = batch.cache

@@ -1,0 +1,385 @@
+"""Continuous batching for the native engine: iteration-level scheduling over a pool of slots.
+
+`ContinuousEngine` wraps a `NativeEngine`. Requests are `submit`ted at any time; every `step()`
+
+1. ends cancelled sequences (their slot frees at once) and admits waiting requests into free
+   slots (at most `slots` sequences run at a time);
+2. runs one decode step for every running sequence (one forward for all of them);
+3. prefills joining prompts, at most `prefill_chunk` prompt tokens per step, so running streams
+   keep a steady pace while a long prompt joins. A prompt is cut into chunks of `prefill_chunk`
+   tokens when its policy stack allows it (`PolicyStack.chunked_prefill`: dense); otherwise it is
+   prefilled whole in one step. Chunk boundaries depend only on the prompt, never on what else
+   runs, so a sequence computes the same thing alone or beside others.
+
+Each sequence owns its KV cache (allocated when it joins, with its policy's capacity, freed
+when it leaves: running caches are never re-copied when the batch changes) and its own policy
+stack, which sees a one-slot `BatchState` exactly as the static engine's batch of one. The
+decoder stack's projections and MLPs run once for all rows of a step; each layer's attention
+(`route_attention`) goes row by row to that row's cache and stack, so sequences of different
+lengths are never padded against each other in attention, and sequences with different policies
+may share a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cotserve.engine.batch import BatchState
+from cotserve.engine.cache import CacheShape, KVCache
+from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, _Slot
+from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
+from cotserve.errors import RequestError
+from cotserve.policies.base import PolicyStack, grouped_attention
+from cotserve.policies.registry import build_policy
+
+
+@dataclass
+class _Seq:
+    """One sequence in the pool: its decode-loop state, its one-slot batch and its timings."""
+
+    slot: _Slot
+    stack: PolicyStack
+    view: BatchState | None = None  # allocated on admission
+    state: str = "waiting"  # waiting | prefill | decode
+    filled: int = 0  # prompt tokens prefilled so far
+    steps: int = 0  # decode steps run
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    prefill_s: float = 0.0  # time in prefill forwards that carried this sequence
+    rows_sum: int = 0  # running rows summed over this sequence's decode steps
+    kv_before: torch.Tensor | None = None
+    kv_after_prefill: int = 0
+    kv_peak: int = 0
+
+
+class _Rows:
+    """The rows of one forward: what the decoder stack sees as its batch. Attention and steering
+    go to each row's own one-slot batch and policy stack."""
+
+    def __init__(self, seqs: list[_Seq], mode: str, lean: bool, starts: list[int] | None = None,
+                 lengths: list[int] | None = None):
+        self.seqs = seqs
+        self.mode = mode
+        self.lean = lean
+        self.starts = starts or [0] * len(seqs)
+        self.lengths = lengths or [1] * len(seqs)
+        self.hidden: torch.Tensor | None = None
+        self.policy = self  # the decoder stack calls batch.policy.steer(...)
+        self._steer = [s.stack.steers() for s in seqs]
+        # for logits hooks written against BatchState
+        self.tokens = [s.view.tokens[0] for s in seqs if s.view is not None]
+        self.prompt_lens = torch.tensor([s.slot.prompt_len for s in seqs])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+    def steer(self, layer: int, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
+        if not any(self._steer):
+            return hidden
+        hidden = hidden.clone()
+        for j, s in enumerate(self.seqs):
+            if self._steer[j]:
+                n = self.lengths[j]
+                hidden[j : j + 1, :n] = s.stack.steer(layer, hidden[j : j + 1, :n], s.view)
+        return hidden
+
+    def route(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of every row through its own cache and policy stack: q [B, Hq, T, D],
+        k/v [B, Hkv, T, D] -> [B, Hq, T, D]."""
+        if self.mode == "decode":
+            outs = []
+            for j, s in enumerate(self.seqs):
+                view = s.view
+                assert view is not None
+                view.cache.write_decode(layer, k[j : j + 1], v[j : j + 1], view.positions)
+                outs.append(s.stack.decode_attention(layer, q[j : j + 1], view))
+            return torch.cat(outs, 0)
+        out = torch.zeros_like(q)
+        for j, s in enumerate(self.seqs):
+            view = s.view
+            assert view is not None
+            start, n = self.starts[j], self.lengths[j]
+            qj, kj, vj = q[j : j + 1, :, :n], k[j : j + 1, :, :n], v[j : j + 1, :, :n]
+            if start == 0 and n == s.slot.prompt_len:  # the whole prompt: the static engine's path
+                view.cache.write_prefill(layer, kj, vj, view.prompt_lens)
+                out[j : j + 1, :, :n] = s.stack.prefill_attention(layer, qj, kj, vj, view)
+            else:  # one chunk: causal over the cached chunks before it and itself
+                view.cache.write_chunk(layer, kj, vj, start)
+                total = start + n
+                keys = view.cache.k[layer, :, :, :total]
+                vals = view.cache.v[layer, :, :, :total]
+                rows = torch.arange(start, total, device=q.device).view(-1, 1)
+                valid = torch.arange(total, device=q.device).view(1, -1) <= rows  # [n, total]
+                out[j : j + 1, :, :n] = grouped_attention(qj.contiguous(), keys, vals, valid.view(1, 1, n, total),
+                                                          view.scaling)
+        return out
+
+
+class ContinuousEngine:
+    """Iteration-level scheduling over `slots` sequences of a `NativeEngine` (module docstring).
+
+    Not thread-safe: one thread calls `submit`, `cancel` and `step` (the worker's loop)."""
+
+    def __init__(self, engine: NativeEngine, slots: int | None = None, prefill_chunk: int = 256):
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
+        self.engine = engine
+        self.slots = slots or engine.max_batch
+        if self.slots < 1:
+            raise ValueError("slots must be at least 1")
+        self.prefill_chunk = prefill_chunk
+        self.device = engine.device
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []  # admitted: prefilling or decoding, in admission order
+        self._cancel: set[str] = set()
+        self.steps = 0
+
+    # -- intake ----------------------------------------------------------------------------
+    def submit(self, req: GenRequest, policy: str | PolicyStack | None = None,
+               options: dict[str, Any] | None = None) -> None:
+        """Queue a request; it joins the running batch at the next step with a free slot. Each
+        request gets its own policy stack (a `PolicyStack` given here is used by this request only).
+        Raises `RequestError` / `CotserveError` for a bad prompt or policy."""
+        eng = self.engine
+        eng.check_request(req)
+        if any(s.slot.req.request_id == req.request_id for s in (*self.waiting, *self.running)):
+            raise RequestError(f"request id {req.request_id!r} is already running")
+        stack = policy if isinstance(policy, PolicyStack) else build_policy(policy, options)
+        n = len(req.prompt_ids)
+        max_new = min(req.sampling.max_tokens, eng.info.max_positions - n)
+        slot = _Slot(req, n, max_new, req.sampling.make_generator(self.device),
+                     IncrementalDetokenizer(eng.tokenizer), StopStringMatcher(list(req.sampling.stop)))
+        self.waiting.append(_Seq(slot, stack))
+
+    def cancel(self, request_id: str) -> None:
+        """The sequence ends at the start of the next step (finish reason "cancelled")."""
+        self._cancel.add(request_id)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def free_slots(self) -> int:
+        """Slots that no running or waiting sequence will take."""
+        return max(0, self.slots - len(self.running) - len(self.waiting))
+
+    def _admit(self, s: _Seq) -> None:
+        eng = self.engine
+        info = eng.info
+        n = s.slot.prompt_len
+        capacity = s.stack.capacity([n], s.slot.max_new)
+        cache = KVCache(CacheShape(info.num_layers, 1, info.num_kv_heads, capacity, info.head_dim),
+                        eng.dtype, self.device)
+        s.view = BatchState(info=info, cache=cache, policy=s.stack, scaling=eng.scaling,
+                            prompt_lens=torch.tensor([n], device=self.device),
+                            tokens=[list(s.slot.req.prompt_ids)],
+                            active=torch.ones(1, dtype=torch.bool, device=self.device),
+                            extras={0: s.slot.req.extras}, lean=True)
+        s.stack.begin(s.view)
+        s.state = "prefill"
+        s.t_admit = time.perf_counter()
+        self.running.append(s)
+
+    # -- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Delta]:
+        """One iteration: cancellations, admissions, a decode step for the running sequences, a
+        bounded prefill for the joining ones. Returns this step's deltas (the last delta of a
+        request carries its `Completion`)."""
+        deltas: list[Delta] = []
+        if self._cancel:
+            for s in [s for s in (*self.waiting, *self.running) if s.slot.req.request_id in self._cancel]:
+                s.slot.finish = "cancelled"
+                deltas.append(self._final(s))
+                self._drop(s)
+            self._cancel.clear()
+        while self.waiting and len(self.running) < self.slots:
+            self._admit(self.waiting.popleft())
+        if not self.running:
+            return deltas
+        lean = not self.engine._layers_hooked()
+        decoding = [s for s in self.running if s.state == "decode"]
+        if decoding:
+            deltas.extend(self._decode(decoding, lean))
+        joining = [s for s in self.running if s.state == "prefill"]
+        if joining:
+            deltas.extend(self._prefill(joining, lean))
+        self.steps += 1
+        return deltas
+
+    def _drop(self, s: _Seq) -> None:
+        if s in self.running:
+            self.running.remove(s)
+        elif s in self.waiting:
+            self.waiting.remove(s)
+        s.view = None  # the cache goes with it
+
+    def _emit(self, s: _Seq, tok: int, text: str) -> Delta:
+        lps = None if s.slot.last_lp is None else [s.slot.last_lp]
+        if s.slot.finish is None:
+            return Delta(s.slot.req.request_id, [tok], text, logprobs=lps)
+        d = self._final(s, tok, text)
+        self._drop(s)
+        return d
+
+    def _decode(self, seqs: list[_Seq], lean: bool) -> list[Delta]:
+        eng = self.engine
+        ids = torch.tensor([[s.slot.out_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
+        positions = torch.tensor([s.slot.prompt_len + len(s.slot.out_ids) - 1 for s in seqs], device=self.device)
+        for j, s in enumerate(seqs):
+            view = s.view
+            assert view is not None
+            view.mode = "decode"
+            view.step = s.steps
+            view.positions = positions[j : j + 1]
+        rows = _Rows(seqs, "decode", lean)
+        hidden = eng.forward(ids, positions.view(-1, 1), rows)  # type: ignore[arg-type]
+        for j, s in enumerate(seqs):
+            view = s.view
+            assert view is not None
+            view.hidden = hidden[j : j + 1]
+            s.kv_peak = max(s.kv_peak, int(view.cache.nbytes_per_slot()[0]))
+            s.stack.after_forward(view)
+            s.steps += 1
+            s.rows_sum += len(seqs)
+        logits = eng.logits(hidden[:, -1], rows)  # type: ignore[arg-type]
+        return self._sample(seqs, logits)
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[Delta]:
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        for j, s in enumerate(seqs):
+            tok, text = self.engine._advance(s.slot, logits[j], greedy[j])
+            assert s.view is not None
+            s.view.tokens[0].append(tok)
+            out.append(self._emit(s, tok, text))
+        return out
+
+    def _prefill(self, joining: list[_Seq], lean: bool) -> list[Delta]:
+        eng = self.engine
+        chosen: list[_Seq] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        used = 0
+        for s in joining:
+            left = s.slot.prompt_len - s.filled
+            n = min(left, self.prefill_chunk) if s.stack.chunked_prefill() else left
+            if chosen and used + n > self.prefill_chunk:
+                break
+            chosen.append(s)
+            starts.append(s.filled)
+            lengths.append(n)
+            used += n
+        t0 = time.perf_counter()
+        tmax = max(lengths)
+        ids = torch.full((len(chosen), tmax), eng.eos_default(), dtype=torch.long, device=self.device)
+        for j, s in enumerate(chosen):
+            ids[j, : lengths[j]] = torch.tensor(s.slot.req.prompt_ids[starts[j] : starts[j] + lengths[j]],
+                                                device=self.device)
+        pos = torch.tensor(starts, device=self.device).view(-1, 1) + torch.arange(tmax, device=self.device)
+        for s in chosen:
+            assert s.view is not None
+            s.view.mode = "prefill"
+        rows = _Rows(chosen, "prefill", lean, starts, lengths)
+        hidden = eng.forward(ids, pos, rows)  # type: ignore[arg-type]
+        done: list[tuple[int, _Seq]] = []
+        for j, s in enumerate(chosen):
+            view = s.view
+            assert view is not None
+            view.hidden = hidden[j : j + 1, : lengths[j]]
+            s.filled += lengths[j]
+            complete = s.filled == s.slot.prompt_len
+            kv_before = int(view.cache.nbytes_per_slot()[0])
+            s.stack.after_forward(view)
+            if complete:
+                s.kv_after_prefill = int(view.cache.nbytes_per_slot()[0])
+                s.kv_peak = max(kv_before, s.kv_after_prefill)
+                done.append((j, s))
+        dt = time.perf_counter() - t0
+        for s in chosen:
+            s.prefill_s += dt
+        if not done:
+            return []
+        last = torch.stack([hidden[j, lengths[j] - 1] for j, _ in done])
+        seqs = [s for _, s in done]
+        logits = eng.logits(last, _Rows(seqs, "prefill", lean))  # type: ignore[arg-type]
+        now = time.perf_counter()
+        for s in seqs:
+            s.state = "decode"
+            s.t_first = now
+        return self._sample(seqs, logits)
+
+    # -- results ---------------------------------------------------------------------------
+    def _final(self, s: _Seq, tok: int | None = None, text: str = "") -> Delta:
+        slot = s.slot
+        now = time.perf_counter()
+        n = len(slot.out_ids)
+        decode_s = now - s.t_first if s.t_first else 0.0
+        tele: dict[str, Any] = {
+            "policy": s.stack.name,
+            "scheduler": "continuous",
+            "queue_s": round((s.t_admit or now) - s.t_submit, 4),
+            "ttft_s": round(s.t_first - s.t_submit, 4) if s.t_first else None,
+            "prefill_s": round(s.prefill_s, 4),
+            "decode_s": round(decode_s, 4),
+            "decode_tok_s": round((n - 1) / decode_s, 2) if decode_s > 0 and n > 1 else 0.0,
+            "batch_size": round(s.rows_sum / s.steps, 2) if s.steps else 1,
+            "padding_fraction": 0.0,
+        }
+        view = s.view
+        if view is not None:
+            tele.update({
+                "kv_bytes_after_prefill": s.kv_after_prefill,
+                "kv_bytes_peak": s.kv_peak,
+                "kv_bytes_allocated": view.cache.allocated_bytes_per_slot(),
+                "kv_bytes_final": int(view.cache.nbytes_per_slot()[0]),
+            })
+            tele.update(s.stack.telemetry(0))
+        comp = Completion(request_id=slot.req.request_id, text=slot.stops.text, token_ids=list(slot.out_ids),
+                          finish_reason=slot.finish or "stop", prompt_tokens=slot.prompt_len,
+                          completion_tokens=n, telemetry=tele, greedy_ids=list(slot.greedy_ids),
+                          logprobs=torch.stack(slot.logprob_rows) if slot.logprob_rows else None)
+        lps = [slot.last_lp] if tok is not None and slot.last_lp is not None else None
+        return Delta(slot.req.request_id, [] if tok is None else [tok], text, finished=True,
+                     finish_reason=comp.finish_reason, result=comp, logprobs=lps)
+
+    # -- conveniences ----------------------------------------------------------------------
+    def run(self, on_step: Callable[[int], None] | None = None) -> Iterator[list[Delta]]:
+        """Step until every submitted request has finished; yields each step's deltas.
+        `on_step(i)` runs before the i-th step of this run (tests submit requests mid-run through it)."""
+        first = self.steps
+        while True:
+            if on_step is not None:
+                on_step(self.steps - first)
+            if self.idle:
+                return
+            yield self.step()
+
+    def generate(self, requests: list[GenRequest], policy: str | PolicyStack | None = None,
+                 options: dict[str, Any] | None = None) -> list[Completion]:
+        """Run requests to completion (each with its own copy of the policy); results in order."""
+        for r in requests:
+            self.submit(r, _fresh(policy), options)
+        results: dict[str, Completion] = {}
+        for deltas in self.run():
+            for d in deltas:
+                if d.result is not None:
+                    results[d.request_id] = d.result
+        return [results[r.request_id] for r in requests]
+
+
+def _fresh(policy: str | PolicyStack | None) -> str | PolicyStack | None:
+    """A policy stack object holds per-sequence state: each request needs its own."""
+    if isinstance(policy, PolicyStack):
+        import copy
+
+        return copy.deepcopy(policy)
+    return policy

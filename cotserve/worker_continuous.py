@@ -1,0 +1,228 @@
+"""The continuous worker (`--scheduler continuous`): claims a job whenever a slot is free.
+
+The static `Worker` claims a group, runs it to its end and only then claims again. This one
+drives a `ContinuousEngine`: before every engine step it claims as many jobs as it has free slots
+(the queue hands out the oldest job and the closest prompt lengths with the same policy key, as
+for the static worker; with nothing running it lets a group fill for `--batch-wait` first, with
+sequences running it claims at once), submits them, runs one step and publishes that step's
+deltas. A cancelled job leaves the engine at the next step and its slot goes to the next job.
+Everything else (heart-beats, reaping, deadlines, resuming a job after a lost worker, `n`
+sequences per job, logprobs, request logs) follows the static worker (`cotserve/worker.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cotserve.engine.continuous import ContinuousEngine
+from cotserve.engine.native import Delta, GenRequest, NativeEngine
+from cotserve.engine.sampling import SamplingParams
+from cotserve.errors import CotserveError, RequestError
+from cotserve.policies.registry import build_policy
+from cotserve.queue.base import Job, JobQueue
+from cotserve.worker import Worker, _lp_event, _published_state, _Resume
+
+log = logging.getLogger("cotserve.worker")
+
+
+@dataclass
+class _Running:
+    """A claimed job in the engine: its sequences still running and what was published."""
+
+    job: Job
+    n: int
+    left: int
+    resume: _Resume | None = None
+    lost: bool = False
+    first_token_at: float | None = None
+    request_ids: list[str] = field(default_factory=list)
+
+
+class ContinuousWorker(Worker):
+    def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
+                 max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
+                 poll_s: float = 0.01, cancel_poll_s: float = 0.05, prefill_chunk: int = 256):
+        super().__init__(engine, queue, worker_id=worker_id, max_batch=max_batch, max_wait=max_wait,
+                         heartbeat_s=heartbeat_s, poll_s=poll_s, cancel_poll_s=cancel_poll_s)
+        self.prefill_chunk = prefill_chunk
+        self.pool = ContinuousEngine(engine, slots=self.max_batch, prefill_chunk=prefill_chunk)
+        self._jobs: dict[str, _Running] = {}
+        self._seq: dict[str, tuple[str, int]] = {}  # request id -> (job id, sequence index)
+        self._last_cancel_poll = 0.0
+
+    def run_once(self) -> int:
+        """Reap now and then, claim jobs for the free slots, run one engine step; returns the
+        number of jobs claimed plus one when a step ran (0: idle)."""
+        now = time.time()
+        if now - self._last_reap >= self.heartbeat_s:
+            self._last_reap = now
+            for jid in self.queue.reap():
+                log.warning("job %s returned to pending (its worker stopped heart-beating)", jid)
+        claimed = 0
+        free = self.pool.free_slots()
+        if free > 0:
+            jobs = self.queue.claim(self.worker_id, free, self.max_wait if self.pool.idle else 0.0)
+            for job in jobs:
+                self._start(job)
+            claimed = len(jobs)
+        if self.pool.idle:
+            return claimed
+        self._poll_cancelled()
+        try:
+            deltas = self.pool.step()
+        except Exception as exc:  # never let one bad step kill the worker: fail what was running
+            log.exception("engine step failed")
+            for jid in list(self._jobs):
+                run = self._jobs.pop(jid)
+                self._error(run.job, 500, "server_error", f"the worker failed on this batch: {type(exc).__name__}: {exc}")
+            self._seq.clear()
+            self.pool = ContinuousEngine(self.engine, slots=self.max_batch, prefill_chunk=self.prefill_chunk)
+            return claimed + 1
+        self._publish(deltas)
+        return claimed + 1
+
+    # -- intake ----------------------------------------------------------------------------
+    def _start(self, job: Job) -> None:
+        sampling = dict(job.sampling)
+        n = int(sampling.pop("n", 1) or 1)
+        if job.deadline is not None and job.attempts == 1 and time.time() > job.deadline:
+            self._error(job, 503, "queue_timeout",
+                        f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
+                        "server's --queue-timeout; retry later")
+            return
+        resume = None
+        if job.attempts > 1:
+            st, ended = _published_state(self.queue.published(job.id), n)
+            if ended:  # the earlier worker finished it but died before acknowledging
+                self.queue.finish(self.worker_id, job.id)
+                return
+            if st.ids and (not job.reproducible or n > 1):
+                self._error(job, 500, "worker_lost",
+                            "the worker running this request stopped after streaming part of it, and its "
+                            "unseeded sampling cannot be reproduced; retry the request")
+                return
+            resume = st
+        try:
+            copies = []
+            for i in range(n):  # n sequences of one prompt: seeds seed, seed+1, ... (distinct samples)
+                params = SamplingParams(**sampling)
+                if i and params.seed is not None:
+                    params.seed = params.seed + i
+                rid = job.id if n == 1 else f"{job.id}/{i}"
+                copies.append(GenRequest(list(job.prompt_ids), params, request_id=rid))
+            self.engine.check_request(copies[0])
+        except RequestError as exc:
+            self._error(job, 400, exc.code or "invalid_request_error", str(exc))
+            return
+        try:
+            stacks = [build_policy(job.policy, job.options) for _ in copies]  # one stack per sequence
+            check = getattr(self.engine, "check_policy", None)
+            if check is not None:
+                check(stacks[0])
+        except CotserveError as exc:
+            self._error(job, 400, "invalid_policy", str(exc))
+            return
+        run = _Running(job, n, n, resume, request_ids=[r.request_id for r in copies])
+        self._jobs[job.id] = run
+        for i, (req, stack) in enumerate(zip(copies, stacks, strict=True)):
+            self._seq[req.request_id] = (job.id, i)
+            self.pool.submit(req, stack)
+
+    def _poll_cancelled(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_poll < self.cancel_poll_s or not self._jobs:
+            return
+        self._last_cancel_poll = now
+        for jid in self.queue.cancelled(list(self._jobs)):
+            for rid in self._jobs[jid].request_ids:
+                self.pool.cancel(rid)
+
+    # -- output ----------------------------------------------------------------------------
+    def _publish(self, deltas: list[Delta]) -> None:
+        for d in deltas:
+            jid, index = self._seq.get(d.request_id, ("", 0))
+            run = self._jobs.get(jid)
+            if run is None:  # a lost job's sequences ending
+                if d.result is not None:
+                    self._seq.pop(d.request_id, None)
+                continue
+            if run.lost:
+                if d.result is not None:
+                    self._seq.pop(d.request_id, None)
+                continue
+            job, n = run.job, run.n
+            events: list[dict[str, Any]] = []
+            ids, text = list(d.token_ids), d.text
+            st = run.resume
+            if st is not None and not st.failed:
+                ids, text = self._skip_published(st, ids, text)
+                if st.failed:
+                    events.append({"t": "error", "status": 500, "code": "worker_lost",
+                                   "message": "the worker running this request stopped mid-stream and the "
+                                              "retry produced different tokens; retry the request"})
+                    run.lost = True
+            if not run.lost and (ids or text):
+                ev: dict[str, Any] = {"t": "delta", "ids": ids, "text": text}
+                if d.logprobs is not None and ids:
+                    ev["lp"] = _lp_event(d.logprobs[len(d.logprobs) - len(ids):])
+                if n > 1:
+                    ev["i"] = index
+                events.append(ev)
+                if run.first_token_at is None:
+                    run.first_token_at = time.time()
+            if d.result is not None and not run.lost:
+                res = d.result
+                tele = dict(res.telemetry)
+                tele["queue_wait_s"] = round(max(0.0, job.claimed_at - job.created), 4)
+                tele["attempt"] = job.attempts
+                tele["worker"] = self.worker_id
+                done: dict[str, Any] = {"t": "done", "finish_reason": res.finish_reason,
+                                        "usage": {"prompt_tokens": res.prompt_tokens,
+                                                  "completion_tokens": res.completion_tokens},
+                                        "telemetry": tele}
+                if n > 1:
+                    done["i"] = index
+                events.append(done)
+            if events and not self.queue.publish(self.worker_id, jid, events):
+                run.lost = True  # reaped and handed on: stop decoding it here
+            if d.result is not None:
+                self._seq.pop(d.request_id, None)
+            if run.lost:
+                self._end_lost(run)
+            elif d.result is not None:
+                run.left -= 1
+                if run.left == 0:
+                    del self._jobs[jid]
+                    self.jobs_done += 1
+                    state = "cancelled" if d.result.finish_reason == "cancelled" else "done"
+                    self.queue.finish(self.worker_id, jid, state)
+                    self._log_request(job, d.result.finish_reason, d.result.prompt_tokens,
+                                      d.result.completion_tokens, run.first_token_at, d.result.telemetry)
+
+    def _end_lost(self, run: _Running) -> None:
+        """A job this worker no longer owns (or whose retry diverged): stop its sequences, free
+        their slots, acknowledge it as failed once."""
+        if self._jobs.pop(run.job.id, None) is None:
+            return
+        for rid in run.request_ids:
+            self.pool.cancel(rid)
+        self.queue.finish(self.worker_id, run.job.id, "failed")
+        self.jobs_done += 1
+
+
+SCHEDULERS = ("continuous", "static")
+
+
+def make_worker(engine: Any, queue: JobQueue, scheduler: str = "continuous", prefill_chunk: int = 256,
+                **kwargs: Any) -> Worker:
+    """The worker for `--scheduler`: continuous (native engine: a job joins whenever a slot is
+    free) or static (a claimed group runs to its end before the next claim). Engines other than
+    the native one (vLLM schedules its own batch) always get the static loop."""
+    if scheduler not in SCHEDULERS:
+        raise CotserveError(f"unknown scheduler {scheduler!r} (continuous or static)")
+    if scheduler == "continuous" and isinstance(engine, NativeEngine):
+        return ContinuousWorker(engine, queue, prefill_chunk=prefill_chunk, **kwargs)
+    return Worker(engine, queue, **kwargs)

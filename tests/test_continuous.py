@@ -1,0 +1,143 @@
+"""Continuous batching (`cotserve/engine/continuous.py`) on the bundled model, float32, greedy.
+
+The reference is the static engine running a sequence alone (`NativeEngine.generate` with a
+batch of one): a sequence that joins a running batch mid-way, beside sequences that leave before
+it, must produce the same tokens, for dense and for every policy (options small enough that each
+one acts within a few tokens: compactions, sparse fast steps, routed groups, steering)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cotserve.engine.continuous import ContinuousEngine
+from cotserve.engine.native import GenRequest
+from cotserve.engine.sampling import SamplingParams
+from cotserve.errors import RequestError
+
+NEW = 10
+PROMPTS = ["The sky is blue because", "Hi there, my friend.", "Two prime numbers are"]
+
+# options small enough that each policy acts within these few tokens (compactions, sparse fast
+# steps, routed groups, steering)
+POLICIES = {
+    "dense": {},
+    "sfi": {"recent": 4, "k": 4, "max_interval": 3},
+    "skipkv": {"budget": 10, "interval": 2, "window": 4},
+    "rkv": {"budget": 10, "interval": 2, "window": 4},
+    "h2o": {"budget": 10},
+    "streamingllm": {"budget": 10},
+    "snapkv": {"budget": 3, "window": 2},
+    "quest": {"budget": 8, "page_size": 2, "dense_layers": 1},
+    "sinkrouter": {},
+    "steering": {"gamma": 0.5},
+    "oracle_topk": {"k": 4, "recent": 2},
+    "skipkv+sfi+steering": {"skipkv.budget": 10, "skipkv.interval": 2, "skipkv.window": 4, "sfi.k": 4,
+                            "sfi.recent": 4, "steering.gamma": 0.5},
+}
+
+
+def _req(engine, prompt: str, n: int = NEW) -> GenRequest:
+    return GenRequest(engine.encode_prompt(prompt, chat=False),
+                      SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def mixed(engine):
+    """One continuous run over a pool of 6 slots: for every policy, a sequence joins at its own
+    step (two policies per step), while sequences of earlier policies are decoding and leaving.
+    Returns {policy: completion} and the most sequences that shared a step."""
+    ce = ContinuousEngine(engine, slots=6, prefill_chunk=8)
+    reqs = {p: _req(engine, PROMPTS[i % len(PROMPTS)]) for i, p in enumerate(POLICIES)}
+    names = list(POLICIES)
+    results = {}
+    busiest = [0]
+
+    def on_step(i: int) -> None:
+        for p in names[2 * i : 2 * i + 2]:
+            ce.submit(reqs[p], p, POLICIES[p])
+        busiest[0] = max(busiest[0], len(ce.running))
+
+    for deltas in ce.run(on_step):
+        for d in deltas:
+            if d.result is not None:
+                results[d.request_id] = d.result
+    return {p: results[r.request_id] for p, r in reqs.items()}, busiest[0]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_joining_a_running_batch_gives_the_tokens_of_decoding_alone(engine, mixed, policy):
+    results, busiest = mixed
+    assert busiest == 6  # the pool was full: sequences joined a running batch
+    prompt = PROMPTS[list(POLICIES).index(policy) % len(PROMPTS)]
+    alone = engine.generate([_req(engine, prompt)], policy, POLICIES[policy])[0]
+    got = results[policy]
+    assert got.token_ids == alone.token_ids and len(got.token_ids) == NEW
+    assert got.telemetry["policy"] == alone.telemetry["policy"]
+    assert got.telemetry["kv_bytes_final"] == alone.telemetry["kv_bytes_final"]
+    if policy in ("skipkv", "rkv", "h2o", "streamingllm", "skipkv+sfi+steering"):  # it evicted while decoding
+        assert got.telemetry["kv_bytes_final"] < got.telemetry["kv_bytes_peak"]
+
+
+def test_chunked_prefill_interleaves_with_decode_and_matches_the_whole_prompt(engine):
+    """A long prompt prefilled in chunks of 4 tokens while another sequence decodes: the running
+    sequence gets a token at every step of the joining prefill, and both match decoding alone."""
+    long_prompt = "Explain, in a few short sentences, how a rainbow forms after rain and why it is curved."
+    ce = ContinuousEngine(engine, slots=2, prefill_chunk=4)
+    runner, joiner = _req(engine, "Hi", n=12), _req(engine, long_prompt, n=4)
+    per_step: list[set[str]] = []
+    ce.submit(runner)
+    ce.step()  # the runner's prefill (one chunk) and first token
+    ce.submit(joiner)
+    while not ce.idle:
+        per_step.append({d.request_id for d in ce.step() if d.token_ids})
+    chunks = -(-len(joiner.prompt_ids) // 4)
+    assert chunks >= 4
+    # while the joiner prefills (chunks - 1 steps without its token), the runner still streams
+    assert all(runner.request_id in s for s in per_step[: chunks - 1])
+    assert joiner.request_id not in set().union(*per_step[: chunks - 1])
+    assert joiner.request_id in per_step[chunks - 1]
+    ref = engine.generate([_req(engine, long_prompt, n=4)], "dense")[0].token_ids
+    got = ContinuousEngine(engine, slots=2, prefill_chunk=4).generate([_req(engine, long_prompt, n=4)])[0]
+    assert got.token_ids == ref
+
+
+def test_cancel_frees_the_slot_for_a_waiting_request(engine):
+    ce = ContinuousEngine(engine, slots=1)
+    a, b = _req(engine, PROMPTS[0], n=50), _req(engine, PROMPTS[1], n=3)
+    ce.submit(a)
+    ce.submit(b)
+    assert ce.free_slots() == 0
+    ce.step()
+    ce.step()
+    assert [s.slot.req.request_id for s in ce.running] == [a.request_id] and len(ce.waiting) == 1
+    ce.cancel(a.request_id)
+    deltas = ce.step()
+    final = next(d for d in deltas if d.request_id == a.request_id)
+    assert final.finish_reason == "cancelled" and final.result is not None
+    assert len(final.result.token_ids) == 2
+    assert [s.slot.req.request_id for s in ce.running] == [b.request_id]  # b joined in the same step
+    out = {}
+    while not ce.idle:
+        for d in ce.step():
+            if d.result is not None:
+                out[d.request_id] = d.result
+    assert out[b.request_id].token_ids == engine.generate([_req(engine, PROMPTS[1], n=3)])[0].token_ids
+
+
+def test_sampling_seeds_and_stop_and_errors(engine):
+    """Seeded sampling is reproducible across neighbours; bad requests fail at submit, clearly."""
+    ce = ContinuousEngine(engine, slots=4)
+    seeded = GenRequest(engine.encode_prompt(PROMPTS[0]), SamplingParams(max_tokens=6, temperature=0.8, seed=7))
+    alone = ce.generate([seeded])[0].token_ids
+    again = GenRequest(engine.encode_prompt(PROMPTS[0]), SamplingParams(max_tokens=6, temperature=0.8, seed=7))
+    other = _req(engine, PROMPTS[2], n=6)
+    both = ce.generate([other, again])
+    assert both[1].token_ids == alone
+    with pytest.raises(RequestError):
+        ce.submit(GenRequest([], SamplingParams(max_tokens=2)))
+    with pytest.raises(Exception, match="policy"):
+        ce.submit(_req(engine, "x"), "no-such-policy")
+    with pytest.raises(ValueError):
+        ContinuousEngine(engine, slots=2, prefill_chunk=0)
+    assert ce.idle and torch.is_inference_mode_enabled() is False
