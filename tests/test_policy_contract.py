@@ -27,7 +27,7 @@ COMMON = ("policy", "prefill_s", "decode_s", "decode_tok_s", "kv_bytes_allocated
 @pytest.fixture(scope="module")
 def prompts(loaded):
     tok = loaded.tokenizer
-    long = tok("Sentence one is here. The quick brown fox jumps over the lazy dog, twice. " * 5)["input_ids"]
+    long = tok("Sentence one is here. The quick brown fox jumps over the lazy dog, twice. " * 3)["input_ids"]
     short = tok("Count with me: one, two, three, four, five.")["input_ids"]
     return long, short
 
@@ -38,14 +38,18 @@ def test_the_registry_lists_every_policy():
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_padding_invariance_and_telemetry(engine, prompts, name):
+def test_padding_invariance_telemetry_and_seeds(engine, prompts, name):
     long, short = prompts
-    sp = SamplingParams(max_tokens=8)
-    both = engine.generate([GenRequest(long, sp), GenRequest(short, sp)], name)
-    alone = engine.generate([GenRequest(short, sp)], name)
-    assert both[1].token_ids == alone[0].token_ids, f"{name}: padding changed the short sequence's tokens"
-    assert len(both[0].token_ids) == 8
-    for c in (*both, *alone):
+    greedy, seeded = SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=1.0, seed=1234)
+    batch = [GenRequest(long, greedy), GenRequest(short, greedy), GenRequest(short, seeded)]
+    first = engine.generate(batch, name)
+    alone = engine.generate([GenRequest(short, greedy)], name)
+    again = engine.generate([GenRequest(r.prompt_ids, r.sampling) for r in batch], name)
+    assert first[1].token_ids == alone[0].token_ids, f"{name}: padding changed the short sequence's tokens"
+    assert first[2].token_ids == again[2].token_ids, f"{name}: a seeded request sampled differently"
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert len(first[0].token_ids) == 6
+    for c in (*first, *alone):
         tele = c.telemetry
         missing = [k for k in COMMON if k not in tele]
         assert not missing, f"{name}: telemetry lacks {missing}"
@@ -53,14 +57,6 @@ def test_padding_invariance_and_telemetry(engine, prompts, name):
         numbers = {k: v for k, v in tele.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         assert all(math.isfinite(v) for v in numbers.values()), f"{name}: non-finite telemetry {numbers}"
         assert tele["kv_bytes_allocated"] >= tele["kv_bytes_peak"] > 0
-
-
-@pytest.mark.parametrize("name", POLICIES)
-def test_seeded_sampling_is_reproducible(engine, prompts, name):
-    _, short = prompts
-    runs = [engine.generate([GenRequest(short, SamplingParams(max_tokens=6, temperature=1.0, seed=1234))], name)[0]
-            for _ in range(2)]
-    assert runs[0].token_ids == runs[1].token_ids
 
 
 @pytest.mark.parametrize("name", POLICIES)
