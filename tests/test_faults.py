@@ -76,7 +76,9 @@ def _stream(url: str, prompt: str) -> tuple[str, list[str]]:
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-def test_redis_restart_mid_stream_loses_nothing(engine, tmp_path):
+@pytest.mark.parametrize("outage_s", [2.0, 5.0])
+def test_redis_restart_mid_stream_loses_nothing(engine, tmp_path, outage_s):
+    """Redis killed while three streams run, started again from its AOF `outage_s` later."""
     import redis
 
     from cotserve.queue.redis_queue import RedisQueue
@@ -104,13 +106,13 @@ def test_redis_restart_mid_stream_loses_nothing(engine, tmp_path):
             before = set(redis.Redis.from_url(rs.url, decode_responses=True).scan_iter(match=prefix + "out:*"))
             with ThreadPoolExecutor(len(PROMPTS)) as ex:
                 futures = [ex.submit(_stream, url, p) for p in PROMPTS]
-                # wait until the batch is decoding, then restart Redis for about 2 s
+                # wait until the batch is decoding, then restart Redis after `outage_s`
                 r = redis.Redis.from_url(rs.url, decode_responses=True)
                 run_id = r.info("server")["run_id"]
                 _wait_streaming(r, prefix, before)
                 in_flight = sum(not f.done() for f in futures)
                 rs.kill()
-                time.sleep(2.0)
+                time.sleep(outage_s)
                 rs.start()
                 results = [f.result(timeout=120) for f in futures]
             assert in_flight == len(PROMPTS)
