@@ -217,3 +217,58 @@ def test_all_workers_killed_mid_stream_then_one_restarted(engine, tmp_path):
                 p.wait(timeout=10)
         if rs.proc is not None and rs.proc.poll() is None:
             rs.kill()
+
+
+class _LostReplies:
+    """A real Redis queue whose publish replies are lost every other call: the script runs on
+    Redis, then the worker sees QueueUnavailable and retries. A lost reply cannot be caused on
+    demand with a real network on loopback, so the loss is made here, after the call succeeded."""
+
+    def __init__(self, queue):
+        self.queue = queue
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+    def publish(self, *args, **kwargs):
+        from cotserve.queue.base import QueueUnavailable
+
+        ok = self.queue.publish(*args, **kwargs)
+        self.calls += 1
+        if self.calls % 2:
+            raise QueueUnavailable("redis: the reply was lost")
+        return ok
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_lost_publish_replies_add_no_duplicate_events(engine, tmp_path):
+    from cotserve.queue.redis_queue import RedisQueue
+
+    rs = OwnRedis(tmp_path)
+    rs.start()
+    prefix = f"cotserve-lost-{uuid.uuid4().hex[:6]}:"
+    app = create_app(GatewaySettings(model_name=MODEL, keepalive_s=0.5), RedisQueue(rs.url, prefix=prefix),
+                     PromptBuilder(engine.tokenizer, engine.info.max_positions))
+    plain = Worker(engine, RedisQueue(rs.url, prefix=prefix), worker_id="w-plain", max_batch=4, max_wait=0.5)
+    lossy = _LostReplies(RedisQueue(rs.url, prefix=prefix))
+    try:
+        with ServerThread(app) as url:
+            results = {}
+            for name, worker in (("plain", plain),
+                                 ("lossy", Worker(engine, lossy, worker_id="w-lossy", max_batch=4, max_wait=0.5))):
+                wt = threading.Thread(target=worker.run, daemon=True)
+                wt.start()
+                try:
+                    _wait_ready(url, 30)
+                    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+                        results[name] = list(ex.map(lambda p: _stream(url, p), PROMPTS))
+                finally:
+                    worker.stop()
+                    wt.join(timeout=30)
+            assert lossy.calls > 10
+            assert all(not errs and text for text, errs in results["plain"]), results
+            assert results["lossy"] == results["plain"]
+    finally:
+        if rs.proc is not None and rs.proc.poll() is None:
+            rs.kill()
