@@ -95,6 +95,7 @@ class Worker:
         self._last_reap = 0.0
         self._running: set[str] = set()  # job ids of the group being decoded (their leases are renewed)
         self._queue_failed_at = 0.0  # when a queue call last failed (reaping waits a lease after that)
+        self._stream_len: dict[str, int] = {}  # job id -> events on its stream (a retried publish is idempotent)
 
     @property
     def lease_s(self) -> float:
@@ -173,12 +174,20 @@ class Worker:
                 self.run_group(jobs)
             finally:
                 self._running = set()
+                self._stream_len.clear()
         return len(jobs)
 
     # -- one group -------------------------------------------------------------------------
+    def _publish(self, job_id: str, events: list[dict[str, Any]]) -> bool:
+        """Publish with the stream's expected length, so a retry after a lost reply adds nothing twice."""
+        after = self._stream_len.get(job_id)
+        ok = self._q(self.queue.publish, self.worker_id, job_id, events, after)
+        if ok and after is not None:
+            self._stream_len[job_id] = after + len(events)
+        return ok
+
     def _error(self, job: Job, status: int, code: str, message: str) -> None:
-        self._q(self.queue.publish, self.worker_id, job.id, [{"t": "error", "status": status, "code": code,
-                                                              "message": message}])
+        self._publish(job.id, [{"t": "error", "status": status, "code": code, "message": message}])
         self._q(self.queue.finish, self.worker_id, job.id, "failed")
         self._log_request(job, finish_reason="error", status=status, code=code)
 
@@ -246,8 +255,11 @@ class Worker:
                             f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
                             "server's --queue-timeout; retry later")
                 continue
+            self._stream_len[job.id] = 0
             if job.attempts > 1 or resume_all:
-                st, ended = _published_state(self._q(self.queue.published, job.id), n)
+                published = self._q(self.queue.published, job.id)
+                self._stream_len[job.id] = len(published)
+                st, ended = _published_state(published, n)
                 if ended:  # the earlier worker finished it but died before acknowledging
                     self._q(self.queue.finish, self.worker_id, job.id)
                     continue
@@ -339,7 +351,7 @@ class Worker:
                     if n > 1:
                         done["i"] = index
                     events.append(done)
-                if events and not self._q(self.queue.publish, self.worker_id, jid, events):
+                if events and not self._publish(jid, events):
                     lost.add(jid)  # reaped and handed on: stop decoding it here
                     continue
                 if jid in lost:

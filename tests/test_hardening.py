@@ -153,7 +153,7 @@ def test_strict_types_body_limit_and_key_before_body(engine):
         r = c.post("/v1/chat/completions", content=chunks(), headers=good)  # no Content-Length
         assert r.status_code == 413
         for patch, param in (({"stream": "yes"}, "stream"), ({"ignore_eos": 0}, "ignore_eos"),
-                             ({"max_tokens": "5"}, "max_tokens"), ({"logprobs": 1}, "logprobs"),
+                             ({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"), ({"logprobs": 1}, "logprobs"),
                              ({"functions": [{"name": "f"}]}, "functions")):
             r = c.post("/v1/chat/completions", json=chat(**patch), headers=good)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (patch, r.text)

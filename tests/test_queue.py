@@ -186,3 +186,20 @@ def test_bench_percentile_matches_numpy():
         xs = [rng.random() * 10 for _ in range(n)]
         for q in (50, 95, 99):
             assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_publish_repeated_after_a_lost_reply_writes_nothing_twice(queue):
+    """A retry of a publish whose reply was lost (the script ran, the answer did not come back) is
+    the same call again, made here directly: with the stream's expected length the second call
+    adds nothing; an unknown length (None) appends as before."""
+    job = submit(queue, Job(prompt_ids=[1, 2, 3]))
+    (claimed,) = queue.claim("w", 1, 0.0)
+    a, b, c = ({"t": "delta", "ids": [i], "text": str(i)} for i in range(3))
+    assert queue.publish("w", claimed.id, [a, b], 0) and queue.publish("w", claimed.id, [a, b], 0)
+    assert queue.published(job.id) == [a, b]
+    assert queue.publish("w", claimed.id, [c], 2) and queue.publish("w", claimed.id, [c], 2)
+    assert queue.published(job.id) == [a, b, c]
+    assert queue.publish("w", claimed.id, [c])
+    assert queue.published(job.id) == [a, b, c, c]
+    assert not queue.publish("other", claimed.id, [a], 4)  # not the owner: refused, nothing written
+    assert len(queue.published(job.id)) == 4

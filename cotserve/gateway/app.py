@@ -242,8 +242,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         return ModelCard(id=settings.model_name, created=created, max_model_len=prompts.context_len)
 
     @app.post(CHAT_PATH, response_model=ChatCompletion, dependencies=[Depends(auth)],
-              responses={**err_responses, 200: {"content": {"text/event-stream": {"schema": {
-                  "$ref": "#/components/schemas/ChatCompletionChunk"}}},
+              responses={**err_responses, 200: {"content": {"text/event-stream": {"schema": SSE_CHUNK_EVENT}},
                   "description": "JSON, or SSE chunks when stream is true: each `data:` line a "
                                  "ChatCompletionChunk, then `data: [DONE]`"}})
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -565,6 +564,18 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         err_responses=err_responses, sse=SSEResponse))
     install_openapi(app)
     return app
+
+
+# One event of a streamed chat completion, as OpenAPI 3.1 describes an event stream (its `schema`
+# is one event): `data` is a ChatCompletionChunk as JSON, an error object as JSON (a failure after
+# the stream began), or the closing `[DONE]`.
+SSE_CHUNK_EVENT: dict[str, Any] = {
+    "type": "object", "required": ["data"],
+    "properties": {"event": {"type": "string"}, "id": {"type": "string"}, "data": {"oneOf": [
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+            {"$ref": "#/components/schemas/ChatCompletionChunk"}, {"$ref": "#/components/schemas/ErrorResponse"}]}},
+        {"const": "[DONE]"}]}},
+}
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -2,14 +2,24 @@
 
 Unknown request fields are ignored, as OpenAI's own server does for fields it does not know.
 Booleans and integers are taken as JSON gives them: `"stream": "yes"`, `"ignore_eos": 0` or
-`"max_tokens": "5"` are refused (400), as OpenAI refuses them.
+`"max_tokens": "5"` are refused (400), as OpenAI refuses them. A number with no fraction
+(`"max_tokens": 5.0`) is an integer, as JSON Schema counts it (the OpenAPI document says "integer").
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 5 and 5.0 (and lists of them), not "5", true or 5.5."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
 
 
 class TextPart(BaseModel):
@@ -109,6 +119,8 @@ class ChatCompletionRequest(BaseModel):
                                                        "tool_choice.")
     cotserve: CotserveOptions | None = None
 
+    _integers = field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "top_logprobs", mode="before")(_integral)
+
 
 class CompletionRequest(BaseModel):
     """Legacy text completions: a raw prompt, no chat template."""
@@ -137,6 +149,8 @@ class CompletionRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = Field(None, description="Refused (400), as tools.")
     cotserve: CotserveOptions | None = None
 
+    _integers = field_validator("prompt", "max_tokens", "top_k", "seed", "n", "logprobs", "best_of", mode="before")(_integral)
+
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a raw `prompt`, or chat `messages` rendered through the template."""
@@ -155,6 +169,8 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[StrictInt]
+
+    _integers = field_validator("tokens", mode="before")(_integral)
 
 
 class ToolCallOut(BaseModel):

@@ -131,9 +131,11 @@ class JobQueue(abc.ABC):
         waited less than max_wait seconds (the group may still fill)."""
 
     @abc.abstractmethod
-    def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]]) -> bool:
+    def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]], after: int | None = None) -> bool:
         """Append events to a job's stream; False when this worker no longer owns the job
-        (it was reaped and handed to another worker), in which case nothing is written."""
+        (it was reaped and handed to another worker), in which case nothing is written.
+        `after`: how many events the stream holds before these, when the caller knows; a call
+        repeated with the same `after` (a retry whose first reply was lost) writes nothing again."""
 
     @abc.abstractmethod
     def published(self, job_id: str) -> list[dict[str, Any]]:

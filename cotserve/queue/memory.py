@@ -113,11 +113,13 @@ class InProcessQueue(JobQueue):
                 out.append(Job.from_json(entry.job.to_json(), entry.job.attempts, now))
             return out
 
-    def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]]) -> bool:
+    def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]], after: int | None = None) -> bool:
         with self._lock:
             entry = self._jobs.get(job_id)
             if entry is None or entry.state != "claimed" or entry.worker != worker_id:
                 return False
+            if after is not None and len(entry.events) >= after + len(events):
+                return True  # a repeated call: these events are there already
             entry.events.extend(events)
             for loop, ev in entry.waiters:
                 loop.call_soon_threadsafe(ev.set)

@@ -92,13 +92,16 @@ redis.call('SADD', prefix .. 'workers', wid)
 return out
 """
 
-# Append events only while this worker still owns the job.
+# Append events only while this worker still owns the job. ARGV[6] is the stream's length before
+# these events (-1: unknown); when the stream already holds them (a retry of a call whose reply
+# was lost), nothing is written again.
 PUBLISH = """
-local prefix, id, wid, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local prefix, id, wid, ttl, after = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[6])
 local k = prefix .. 'job:' .. id
 if redis.call('HGET', k, 'state') ~= 'claimed' or redis.call('HGET', k, 'worker') ~= wid then return 0 end
 redis.call('ZADD', prefix .. 'leases', ARGV[5], id)
-for i = 6, #ARGV do redis.call('XADD', prefix .. 'out:' .. id, '*', 'e', ARGV[i]) end
+if after >= 0 and redis.call('XLEN', prefix .. 'out:' .. id) >= after + #ARGV - 6 then return 1 end
+for i = 7, #ARGV do redis.call('XADD', prefix .. 'out:' .. id, '*', 'e', ARGV[i]) end
 redis.call('EXPIRE', prefix .. 'out:' .. id, ttl)
 return 1
 """
@@ -306,10 +309,11 @@ class RedisQueue(JobQueue):
         return [Job.from_json(res[i + 1], int(res[i + 2]), now) for i in range(0, len(res), 3)]
 
     @_sync_errors
-    def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]]) -> bool:
+    def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]], after: int | None = None) -> bool:
         payload = [json.dumps(e, separators=(",", ":")) for e in events]
         return bool(self._scripts["publish"](args=[self.prefix, job_id, worker_id, self.result_ttl,
-                                                    time.time() + self.lease_s, *payload]))
+                                                    time.time() + self.lease_s, -1 if after is None else after,
+                                                    *payload]))
 
     @_sync_errors
     def renew(self, worker_id: str, job_ids: list[str], ttl: float) -> None:
