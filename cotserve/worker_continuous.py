@@ -57,7 +57,7 @@ class ContinuousWorker(Worker):
         """Reap now and then, claim jobs for the free slots, run one engine step; returns the
         number of jobs claimed plus one when a step ran (0: idle)."""
         now = time.time()
-        if now - self._last_reap >= self.heartbeat_s:
+        if now - self._last_reap >= self.heartbeat_s and now - self._queue_failed_at >= self.lease_s:
             self._last_reap = now
             for jid in self.queue.reap():
                 log.warning("job %s returned to pending (its worker stopped heart-beating)", jid)
@@ -68,6 +68,7 @@ class ContinuousWorker(Worker):
             for job in jobs:
                 self._start(job)
             claimed = len(jobs)
+        self._running = set(self._jobs)  # the heartbeat renews these jobs' leases
         if self.pool.idle:
             return claimed
         self._poll_cancelled()
@@ -79,9 +80,11 @@ class ContinuousWorker(Worker):
                 run = self._jobs.pop(jid)
                 self._error(run.job, 500, "server_error", f"the worker failed on this batch: {type(exc).__name__}: {exc}")
             self._seq.clear()
+            self._running = set()
             self.pool = ContinuousEngine(self.engine, slots=self.max_batch, prefill_chunk=self.prefill_chunk)
             return claimed + 1
-        self._publish(deltas)
+        self._publish_deltas(deltas)
+        self._running = set(self._jobs)
         return claimed + 1
 
     # -- intake ----------------------------------------------------------------------------
@@ -94,10 +97,14 @@ class ContinuousWorker(Worker):
                         "server's --queue-timeout; retry later")
             return
         resume = None
+        self._stream_len[job.id] = 0
         if job.attempts > 1:
-            st, ended = _published_state(self.queue.published(job.id), n)
+            published = self._q(self.queue.published, job.id)
+            self._stream_len[job.id] = len(published)
+            st, ended = _published_state(published, n)
             if ended:  # the earlier worker finished it but died before acknowledging
-                self.queue.finish(self.worker_id, job.id)
+                self._q(self.queue.finish, self.worker_id, job.id)
+                self._stream_len.pop(job.id, None)
                 return
             if st.ids and (not job.reproducible or n > 1):
                 self._error(job, 500, "worker_lost",
@@ -136,12 +143,12 @@ class ContinuousWorker(Worker):
         if now - self._last_cancel_poll < self.cancel_poll_s or not self._jobs:
             return
         self._last_cancel_poll = now
-        for jid in self.queue.cancelled(list(self._jobs)):
+        for jid in self._q(self.queue.cancelled, list(self._jobs)):
             for rid in self._jobs[jid].request_ids:
                 self.pool.cancel(rid)
 
     # -- output ----------------------------------------------------------------------------
-    def _publish(self, deltas: list[Delta]) -> None:
+    def _publish_deltas(self, deltas: list[Delta]) -> None:
         for d in deltas:
             jid, index = self._seq.get(d.request_id, ("", 0))
             run = self._jobs.get(jid)
@@ -186,7 +193,7 @@ class ContinuousWorker(Worker):
                 if n > 1:
                     done["i"] = index
                 events.append(done)
-            if events and not self.queue.publish(self.worker_id, jid, events):
+            if events and not self._publish(jid, events):  # retried through outages, idempotent
                 run.lost = True  # reaped and handed on: stop decoding it here
             if d.result is not None:
                 self._seq.pop(d.request_id, None)
@@ -198,7 +205,8 @@ class ContinuousWorker(Worker):
                     del self._jobs[jid]
                     self.jobs_done += 1
                     state = "cancelled" if d.result.finish_reason == "cancelled" else "done"
-                    self.queue.finish(self.worker_id, jid, state)
+                    self._q(self.queue.finish, self.worker_id, jid, state)
+                    self._stream_len.pop(jid, None)
                     self._log_request(job, d.result.finish_reason, d.result.prompt_tokens,
                                       d.result.completion_tokens, run.first_token_at, d.result.telemetry)
 
@@ -209,7 +217,8 @@ class ContinuousWorker(Worker):
             return
         for rid in run.request_ids:
             self.pool.cancel(rid)
-        self.queue.finish(self.worker_id, run.job.id, "failed")
+        self._q(self.queue.finish, self.worker_id, run.job.id, "failed")
+        self._stream_len.pop(run.job.id, None)
         self.jobs_done += 1
 
 

@@ -130,3 +130,22 @@ def test_embedded_server_with_the_continuous_worker_streams_and_bench_reports_it
     assert rep["ok"] == 5 and rep["errors"] == 0
     assert set(rep["itl_s"]) == {"p50", "p95", "p99", "mean"} and 0 < rep["itl_s"]["p50"] <= rep["latency_s"]["p99"]
     assert rep["ttft_s"]["p50"] <= rep["latency_s"]["p50"]
+
+
+def test_a_bad_request_fails_alone_and_running_leases_are_renewed(engine, queue):
+    """A job with a policy the worker refuses gets its 400 error event while another job keeps
+    decoding; the running job's claim is on the list the heartbeat renews."""
+    w = ContinuousWorker(engine, queue, worker_id="w-cb-bad", max_batch=4, max_wait=0.0)
+    queue.heartbeat("w-cb-bad", 60)
+    good = _submit(engine, queue, "Once upon a time", 12)
+    _until(w, lambda: len(_state(queue, good)[0]) >= 2)
+    assert good.id in w._running
+    bad = Job(prompt_ids=engine.encode_prompt("Hi", chat=False), sampling={"max_tokens": 3},
+              policy="sfi", options={"k": 0})
+    asyncio.run(queue.submit(bad, 16))
+    _until(w, lambda: _state(queue, bad)[1] is not None)
+    err = _state(queue, bad)[1]
+    assert err["t"] == "error" and err["status"] == 400
+    _until(w, lambda: _state(queue, good)[1] is not None)
+    assert _state(queue, good)[0] == _alone(engine, "Once upon a time", 12)
+    assert good.id not in w._running
