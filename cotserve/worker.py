@@ -56,6 +56,38 @@ class _Resume:
     failed: bool = False
 
 
+
+def diverged_error() -> dict[str, Any]:
+    """The error event of a resumed job whose retry produced tokens other than those published."""
+    return {"t": "error", "status": 500, "code": "worker_lost",
+            "message": "the worker running this request stopped mid-stream and the retry produced different "
+                       "tokens; retry the request"}
+
+
+def delta_event(ids: list[int], text: str, logprobs, index: int, n: int) -> dict[str, Any]:
+    """A `delta` event: new token ids and text, their logprobs when asked, the choice index when n > 1."""
+    ev: dict[str, Any] = {"t": "delta", "ids": ids, "text": text}
+    if logprobs is not None and ids:
+        ev["lp"] = _lp_event(logprobs[len(logprobs) - len(ids):])
+    if n > 1:
+        ev["i"] = index
+    return ev
+
+
+def done_event(job: Job, res, index: int, n: int, worker_id: str) -> dict[str, Any]:
+    """A sequence's `done` event: finish reason, usage and telemetry (with the queue wait, the
+    attempt and the worker)."""
+    tele = dict(res.telemetry)
+    tele["queue_wait_s"] = round(max(0.0, job.claimed_at - job.created), 4)
+    tele["attempt"] = job.attempts
+    tele["worker"] = worker_id
+    done: dict[str, Any] = {"t": "done", "finish_reason": res.finish_reason,
+                            "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens},
+                            "telemetry": tele}
+    if n > 1:
+        done["i"] = index
+    return done
+
 def _published_state(events: list[dict[str, Any]], n: int = 1) -> tuple[_Resume, bool]:
     """What was published for a job of `n` sequences; ended once all n are done (or on an error)."""
     st = _Resume()
@@ -326,31 +358,13 @@ class Worker:
                 if st is not None and not st.failed:
                     ids, text = self._skip_published(st, ids, text)
                     if st.failed:
-                        events.append({"t": "error", "status": 500, "code": "worker_lost",
-                                       "message": "the worker running this request stopped mid-stream and the "
-                                                  "retry produced different tokens; retry the request"})
+                        events.append(diverged_error())
                         lost.add(jid)
                 if jid not in lost and (ids or text):
-                    ev: dict[str, Any] = {"t": "delta", "ids": ids, "text": text}
-                    if d.logprobs is not None and ids:
-                        ev["lp"] = _lp_event(d.logprobs[len(d.logprobs) - len(ids):])
-                    if n > 1:
-                        ev["i"] = index
-                    events.append(ev)
+                    events.append(delta_event(ids, text, d.logprobs, index, n))
                     first_token_at.setdefault(jid, time.time())
                 if d.result is not None and jid not in lost:
-                    res = d.result
-                    tele = dict(res.telemetry)
-                    tele["queue_wait_s"] = round(max(0.0, job.claimed_at - job.created), 4)
-                    tele["attempt"] = job.attempts
-                    tele["worker"] = self.worker_id
-                    done: dict[str, Any] = {"t": "done", "finish_reason": res.finish_reason,
-                                            "usage": {"prompt_tokens": res.prompt_tokens,
-                                                      "completion_tokens": res.completion_tokens},
-                                            "telemetry": tele}
-                    if n > 1:
-                        done["i"] = index
-                    events.append(done)
+                    events.append(done_event(job, d.result, index, n, self.worker_id))
                 if events and not self._publish(jid, events):
                     lost.add(jid)  # reaped and handed on: stop decoding it here
                     continue

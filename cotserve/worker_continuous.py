@@ -23,7 +23,7 @@ from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError, RequestError
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue
-from cotserve.worker import Worker, _lp_event, _published_state, _Resume
+from cotserve.worker import Worker, _published_state, _Resume, delta_event, diverged_error, done_event
 
 log = logging.getLogger("cotserve.worker")
 
@@ -167,32 +167,14 @@ class ContinuousWorker(Worker):
             if st is not None and not st.failed:
                 ids, text = self._skip_published(st, ids, text)
                 if st.failed:
-                    events.append({"t": "error", "status": 500, "code": "worker_lost",
-                                   "message": "the worker running this request stopped mid-stream and the "
-                                              "retry produced different tokens; retry the request"})
+                    events.append(diverged_error())
                     run.lost = True
             if not run.lost and (ids or text):
-                ev: dict[str, Any] = {"t": "delta", "ids": ids, "text": text}
-                if d.logprobs is not None and ids:
-                    ev["lp"] = _lp_event(d.logprobs[len(d.logprobs) - len(ids):])
-                if n > 1:
-                    ev["i"] = index
-                events.append(ev)
+                events.append(delta_event(ids, text, d.logprobs, index, n))
                 if run.first_token_at is None:
                     run.first_token_at = time.time()
             if d.result is not None and not run.lost:
-                res = d.result
-                tele = dict(res.telemetry)
-                tele["queue_wait_s"] = round(max(0.0, job.claimed_at - job.created), 4)
-                tele["attempt"] = job.attempts
-                tele["worker"] = self.worker_id
-                done: dict[str, Any] = {"t": "done", "finish_reason": res.finish_reason,
-                                        "usage": {"prompt_tokens": res.prompt_tokens,
-                                                  "completion_tokens": res.completion_tokens},
-                                        "telemetry": tele}
-                if n > 1:
-                    done["i"] = index
-                events.append(done)
+                events.append(done_event(job, d.result, index, n, self.worker_id))
             if events and not self._publish(jid, events):  # retried through outages, idempotent
                 run.lost = True  # reaped and handed on: stop decoding it here
             if d.result is not None:
