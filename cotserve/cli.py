@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -16,7 +17,10 @@ import typer
 from cotserve import __version__, logconfig
 from cotserve.errors import CotserveError
 
+# every option of every command can also come from the environment: COTSERVE_<COMMAND>_<OPTION>
+# (e.g. COTSERVE_SERVE_PORT=8001, COTSERVE_WORKER_REDIS_URL=...); the command line wins
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"auto_envvar_prefix": "COTSERVE"},
                   help="cotserve: serving middleware for chain-of-thought reasoning models.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks with JSON output.")
 app.add_typer(bench_app, name="bench")
@@ -45,6 +49,7 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def common(
+    ctx: typer.Context,
     log_level: Annotated[str | None, typer.Option(
         "--log-level", help="Log level of cotserve and uvicorn: debug, info, warning, error, critical "
                             "(default: $COTSERVE_LOG_LEVEL, else info).")] = None,
@@ -52,11 +57,42 @@ def common(
         "--log-format", help="text, or json (one object a line) (default: $COTSERVE_LOG_FORMAT, else text).")] = None,
     version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
+    config: Annotated[str | None, typer.Option(
+        "--config", help="A YAML file of option defaults: `{serve: {port: 8001, max_batch: 4}, worker: {...}}`, or "
+                         "the options of the command being run at the top level (names as on the command line, "
+                         "with _ or -). The command line and COTSERVE_* variables win over it.")] = None,
 ) -> None:
     try:
         logconfig.configure(log_level, log_format)
     except ValueError as exc:
         fail(str(exc))
+    if config:
+        ctx.default_map = config_defaults(config, ctx.invoked_subcommand)
+
+
+def config_defaults(path: str, command: str | None) -> dict:
+    """The `default_map` click reads option defaults from, out of a YAML file."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        fail(f"cannot read --config {path}: {exc}")
+    if not isinstance(data, dict):
+        fail(f"--config {path}: expected a mapping of options, got {type(data).__name__}")
+    commands = set(app_command_names())
+    if command and not (set(data) & commands):  # flat: the options of the command being run
+        data = {command: data}
+
+    def norm(d: dict) -> dict:  # option names as on the command line (--max-batch) or as Python (max_batch)
+        return {str(k).replace("-", "_"): (norm(v) if isinstance(v, dict) else v) for k, v in d.items()}
+
+    return norm(data)
+
+
+def app_command_names() -> list[str]:
+    cmd = typer.main.get_command(app)
+    return list(getattr(cmd, "commands", {}))
 
 
 @app.command()

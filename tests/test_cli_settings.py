@@ -1,0 +1,42 @@
+"""Every serve/worker option from the environment (COTSERVE_<COMMAND>_<OPTION>) or from a YAML
+file (`cotserve --config FILE`), checked through the refusal to bind publicly without a key, which
+the CLI makes before anything loads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REFUSAL = "refusing to serve on 0.0.0.0 without an API key"
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("COTSERVE_")}
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "cotserve.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=e)
+
+
+def test_an_option_from_the_environment():
+    proc = _cli("serve", env={"COTSERVE_SERVE_HOST": "0.0.0.0"})
+    assert proc.returncode == 2 and REFUSAL in proc.stderr
+
+
+@pytest.mark.parametrize("text", ["serve:\n  host: 0.0.0.0\n  max-batch: 4\n", "host: 0.0.0.0\nmax_batch: 4\n"])
+def test_options_from_a_config_file(tmp_path, text):
+    cfg = tmp_path / "cotserve.yaml"
+    cfg.write_text(text)
+    proc = _cli("--config", str(cfg), "serve")
+    assert proc.returncode == 2 and REFUSAL in proc.stderr
+
+
+def test_a_bad_config_file_is_one_clear_error(tmp_path):
+    missing = _cli("--config", str(tmp_path / "nope.yaml"), "serve")
+    assert missing.returncode == 2 and "cannot read --config" in missing.stderr and "Traceback" not in missing.stderr
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    proc = _cli("--config", str(listed), "serve")
+    assert proc.returncode == 2 and "expected a mapping" in proc.stderr
