@@ -117,3 +117,33 @@ def test_warm_up_at_admission_leaves_other_slots_alone(setup):
     others = [s for s in range(g.slots) if s != admitted]
     assert torch.equal(g.ck[:, others], before[:, others])
     assert torch.equal(g.ck[1:], before[1:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton's compiled-kernel caches)")
+def test_no_compilation_after_the_warm_up_cuda():
+    """After the admission warm-up, refreshes at any length (bootstrap and slow-step rows) compile
+    no new variant of the refresh kernels: nothing is compiled inside a decode step."""
+    from cotserve.kernels import sfi_paged as sp
+    from cotserve.kernels import sfi_select as ss
+
+    dev = torch.device("cuda")
+    layers = [SimpleNamespace(kv_cache=torch.randn(700, 8, 16, 256, device=dev, dtype=torch.bfloat16))
+              for _ in range(2)]
+    g = GraphSFI(layers, 32, 8, 128, 0.088, torch.bfloat16, dev, slots=2, max_rows=2, rows=BatchRows())
+    cfg = SFIConfig()
+    kernels = (ss._head_kernel, ss._mix_kernel, sp._paged_logits_kernel, sp._pack_kernel)
+
+    def compiled():
+        return [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
+
+    g._warm(cfg)
+    torch.cuda.synchronize()
+    before = compiled()
+    for n in (4097, 4104, 5000, 4096, 2500):
+        blocks = torch.randperm(700, device=dev)[: -(-n // 16)].view(1, -1).to(torch.int32)
+        for lo in (n - 16, n - 1):
+            ring_pos = [n - 16 + ((i - n) % 16) for i in range(16)]
+            g.refresh([SlotState(cfg, RefreshTrigger(), n, 0, ring_pos=ring_pos, refresh_n=n, refresh_lo=lo)],
+                      blocks, 16)
+    torch.cuda.synchronize()
+    assert compiled() == before
