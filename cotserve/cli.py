@@ -250,7 +250,9 @@ RedisUrlOpt = Annotated[str | None, typer.Option("--redis-url", help="Redis URL 
                                                 "without it, serve runs queue and worker in-process.")]
 KeyPrefixOpt = Annotated[str, typer.Option("--key-prefix", help="Prefix of every Redis key (several deployments "
                                            "can share one Redis).")]
-MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="B: the most jobs a worker decodes as one batch.")]
+MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", help="B: the most sequences a worker decodes at "
+                                                 "once: the slots of the continuous scheduler's pool (default 32), "
+                                                 "the batch of the static one and of --engine vllm (default 8).")]
 BatchWaitOpt = Annotated[float, typer.Option("--batch-wait", help="Seconds a worker lets a group fill up to B "
                                              "before it claims fewer (measured from the oldest job's arrival).")]
 SchedulerOpt = Annotated[str, typer.Option("--scheduler", help="continuous (native engine: a job joins the running "
@@ -278,6 +280,16 @@ def _check_scheduler(scheduler: str, prefill_chunk: int) -> None:
         raise CotserveError("--prefill-chunk must be at least 1")
 
 
+def _max_batch(max_batch: int | None, scheduler: str, engine: str) -> int:
+    """--max-batch or its default: 32 slots for the native continuous pool (no padding between
+    sequences, dense caches grow as they decode), 8 for a static batch and for vLLM."""
+    if max_batch is None:
+        return 32 if scheduler == "continuous" and engine == "native" else 8
+    if max_batch < 1:
+        raise CotserveError("--max-batch must be at least 1")
+    return max_batch
+
+
 def _vllm_options(tensor_parallel_size: int, max_model_len: int | None, gpu_memory_utilization: float | None,
                   max_num_seqs: int | None, enforce_eager: bool) -> dict:
     return dict(tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
@@ -298,7 +310,7 @@ def serve(
     api_key_file: Annotated[str | None, typer.Option(help="File of API keys, one a line (also $COTSERVE_API_KEYS, "
                                                      "comma-separated).")] = None,
     insecure: Annotated[bool, typer.Option(help="Allow a non-loopback --host without API keys.")] = False,
-    max_batch: MaxBatchOpt = 8,
+    max_batch: MaxBatchOpt = None,
     batch_wait: BatchWaitOpt = 0.02,
     scheduler: SchedulerOpt = "continuous",
     prefill_chunk: PrefillChunkOpt = 256,
@@ -347,8 +359,10 @@ def serve(
         from cotserve.gateway.server import EngineArgs, ServeArgs, run_serve
         from cotserve.policies.registry import parse_options
 
-        if max_queue < 1 or max_batch < 1:
-            raise CotserveError("--max-queue and --max-batch must be at least 1")
+        if max_queue < 1:
+            raise CotserveError("--max-queue must be at least 1")
+        _check_scheduler(scheduler, prefill_chunk)
+        max_batch = _max_batch(max_batch, scheduler, engine)
         if max_body_bytes < 1024 or keepalive <= 0 or queue_timeout < 0 or queue_outage < 0:
             raise CotserveError("--max-body-bytes must be at least 1024, --keepalive positive, --queue-timeout and "
                                 "--queue-outage at least 0")
@@ -380,7 +394,7 @@ def worker(
     redis_url: Annotated[str, typer.Option("--redis-url", help="Redis URL the gateway uses.")],
     key_prefix: KeyPrefixOpt = "cotserve:",
     model: ModelOpt = "smollm2-135m-instruct",
-    max_batch: MaxBatchOpt = 8,
+    max_batch: MaxBatchOpt = None,
     batch_wait: BatchWaitOpt = 0.02,
     scheduler: SchedulerOpt = "continuous",
     prefill_chunk: PrefillChunkOpt = 256,
@@ -402,6 +416,7 @@ def worker(
         from cotserve.gateway.server import EngineArgs, run_worker
 
         _check_scheduler(scheduler, prefill_chunk)
+        max_batch = _max_batch(max_batch, scheduler, engine)
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                                      max_wait=batch_wait, threads=threads, engine=engine,
                                                      scheduler=scheduler, prefill_chunk=prefill_chunk,

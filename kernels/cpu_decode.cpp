@@ -1,5 +1,6 @@
 // SFI's decode-step attention on the CPU: the fast step (two_source_decode) and the fallback heads'
-// page-bound reads (page_bound_decode).
+// page-bound reads (page_bound_decode); dense decode over many sequences' own caches in one call
+// (ragged_decode: the continuous engine's batched dense step).
 //
 // Two-source decode attention: SFI's fast step (cotserve/policies/sfi/attention.py).
 //
@@ -393,9 +394,84 @@ torch::Tensor page_bound_decode(torch::Tensor q, torch::Tensor k, torch::Tensor 
   return out;
 }
 
+// Dense decode for B sequences that each own a cache: kc[b], vc[b] [L, 1, H, S_b, D] float32 (a
+// `KVCache` of one slot; any capacity S_b, contiguous rows). For every (b, h): write knew[b, h] /
+// vnew[b, h] [D] at row lens[b] of layer `layer`, then attend the G query heads q[b, h] over rows
+// 0 .. lens[b] (the new one included). The window arithmetic of two_source_decode with no compact
+// entries, in the same order, so the results equal it bit for bit. Returns [B, H, G, D] float32.
+torch::Tensor ragged_decode(torch::Tensor q, torch::Tensor knew, torch::Tensor vnew, std::vector<torch::Tensor> kc,
+                            std::vector<torch::Tensor> vc, int64_t layer, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.device().is_cpu(),
+              "q must be float32 [B, H, G, D] on the CPU");
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  TORCH_CHECK(knew.dim() == 3 && knew.size(0) == B && knew.size(1) == H && knew.size(2) == D &&
+              knew.sizes() == vnew.sizes() && knew.scalar_type() == torch::kFloat32 &&
+              vnew.scalar_type() == torch::kFloat32, "knew, vnew must be float32 [B, H, D]");
+  TORCH_CHECK(static_cast<int64_t>(kc.size()) == B && static_cast<int64_t>(vc.size()) == B,
+              "one key and one value cache per sequence");
+  TORCH_CHECK(lens.numel() == B, "lens must have B entries");
+  lens = lens.to(torch::kInt64).contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  std::vector<float*> kp(B), vp(B);
+  std::vector<int64_t> kh(B), kr(B), vh(B), vr(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& k = kc[b];
+    const auto& v = vc[b];
+    TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.size(1) == 1 && k.size(2) == H && k.size(4) == D,
+                "caches must be [L, 1, H, S, D] with q's H and D");
+    TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32 && k.device().is_cpu() &&
+                v.device().is_cpu(), "caches must be float32 on the CPU");
+    TORCH_CHECK(k.stride(4) == 1 && v.stride(4) == 1, "cache rows must be contiguous");
+    TORCH_CHECK(layer >= 0 && layer < k.size(0), "layer outside the cache");
+    TORCH_CHECK(lp[b] >= 0 && lp[b] < k.size(3), "KV cache full: capacity planning is wrong");
+    kp[b] = k.data_ptr<float>() + layer * k.stride(0);
+    vp[b] = v.data_ptr<float>() + layer * v.stride(0);
+    kh[b] = k.stride(2);
+    kr[b] = k.stride(3);
+    vh[b] = v.stride(2);
+    vr[b] = v.stride(3);
+  }
+  q = q.contiguous();
+  knew = knew.contiguous();
+  vnew = vnew.contiguous();
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* knp = knew.data_ptr<float>();
+  const float* vnp = vnew.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const float NEG = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(G * D), logits, acc(G * D), total(G);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H, N = lp[b] + 1;
+      float* kw = kp[b] + h * kh[b];
+      float* vw = vp[b] + h * vh[b];
+      std::memcpy(kw + lp[b] * kr[b], knp + bh * D, D * sizeof(float));
+      std::memcpy(vw + lp[b] * vr[b], vnp + bh * D, D * sizeof(float));
+      logits.assign(G * N, NEG);
+      for (int64_t i = 0; i < G * D; ++i) qs[i] = qp[bh * G * D + i] * sc;
+      for (int64_t j = 0; j < N; ++j) {
+        const float* row = kw + j * kr[b];
+        for (int64_t g = 0; g < G; ++g) logits[g * N + j] = dot(&qs[g * D], row, D);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      softmax_rows(logits.data(), G, N, total.data());
+      for (int64_t j = 0; j < N; ++j) {
+        const float* row = vw + j * vr[b];
+        for (int64_t g = 0; g < G; ++g) axpy(&acc[g * D], logits[g * N + j], row, D);
+      }
+      normalize_rows(acc.data(), total.data(), G, D, op + bh * G * D);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("two_source_decode", &two_source_decode, "SFI fast-step attention: compact buffer + recent window",
         py::call_guard<py::gil_scoped_release>());
   m.def("page_bound_decode", &page_bound_decode, "SFI fallback heads: Quest page-bound reads, in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("ragged_decode", &ragged_decode, "Dense decode over many one-slot caches: write the new row, attend",
         py::call_guard<py::gil_scoped_release>());
 }

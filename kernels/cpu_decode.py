@@ -1,5 +1,7 @@
 """SFI's decode attention as C++ CPU kernels (`cpu_decode.cpp`): the fast step
-(`two_source_decode`) and the fallback heads' page reads (`page_bound_decode`). Built on first use
+(`two_source_decode`) and the fallback heads' page reads (`page_bound_decode`); also dense
+decode over many one-slot caches in one call (`ragged_decode`, the continuous engine's batched
+dense step). Built on first use
 (`make install` builds it) with torch's extension builder (g++ and ninja on PATH; about 30 s on
 the development machine), then cached under `$COTSERVE_CACHE_DIR/torch_extensions` (default
 `~/.cache/cotserve/torch_extensions`) in a folder named after the torch version, a fingerprint
@@ -105,6 +107,20 @@ def two_source_decode(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, cmask
     if mod is None:
         raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
     return mod.two_source_decode(q, ck, cv, cmask, wk, wv, wstart, wend, float(scaling))
+
+
+def ragged_decode(q: torch.Tensor, knew: torch.Tensor, vnew: torch.Tensor, kcaches: list[torch.Tensor],
+                  vcaches: list[torch.Tensor], layer: int, lens: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Dense decode for B sequences with caches of their own (the continuous engine's batched
+    dense step): kcaches[b] / vcaches[b] [L, 1, Hkv, S_b, D] float32 (one-slot `KVCache` tensors,
+    any capacity). Writes knew / vnew [B, Hkv, D] at row lens[b] of layer `layer` (in place), then
+    attends q [B, Hkv, G, D] over rows 0 .. lens[b]. Equals `two_source_decode` with no compact
+    entries and the window 0 .. lens[b] + 1, bit for bit. Returns [B, Hkv, G, D] float32. The
+    caller advances its own length bookkeeping."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    return mod.ragged_decode(q, knew, vnew, kcaches, vcaches, int(layer), lens, float(scaling))
 
 
 def page_bound_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,

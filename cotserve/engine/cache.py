@@ -56,6 +56,23 @@ class KVCache:
         so entries freed by an eviction policy's compaction stay allocated to their slot."""
         return self.shape.layers * self.capacity * 2 * self.shape.kv_heads * self.shape.head_dim * self.k.element_size()
 
+    def grow(self, capacity: int) -> None:
+        """Reallocate with room for `capacity` entries per row, keeping every entry (a copy of the
+        cache). The continuous engine grows a dense sequence's cache as it decodes instead of
+        allocating its whole context at admission; no other code holds the old tensors."""
+        if capacity <= self.capacity:
+            return
+        old_k, old_v, old_pos, n = self.k, self.v, self.pos, self.capacity
+        self.shape = CacheShape(self.shape.layers, self.shape.slots, self.shape.kv_heads, capacity,
+                                self.shape.head_dim)
+        size = (self.shape.layers, self.shape.slots, self.shape.kv_heads, capacity, self.shape.head_dim)
+        self.k = old_k.new_zeros(size)
+        self.v = old_v.new_zeros(size)
+        self.pos = old_pos.new_full(size[:4], -1)
+        self.k[:, :, :, :n] = old_k
+        self.v[:, :, :, :n] = old_v
+        self.pos[:, :, :, :n] = old_pos
+
     # -- writes ---------------------------------------------------------------------------
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
         """Write a right-padded prompt block k, v [B, Hkv, T, D] at indices 0..T-1."""

@@ -12,12 +12,16 @@
    runs, so a sequence computes the same thing alone or beside others.
 
 Each sequence owns its KV cache (allocated when it joins, with its policy's capacity, freed
-when it leaves: running caches are never re-copied when the batch changes) and its own policy
+when it leaves: running caches are never re-copied when the batch changes; a dense sequence's
+cache starts at its prompt plus `grow` entries and doubles when full, so many slots do not
+reserve every sequence's whole context up front) and its own policy
 stack, which sees a one-slot `BatchState` exactly as the static engine's batch of one. The
 decoder stack's projections and MLPs run once for all rows of a step; each layer's attention
-(`route_attention`) goes row by row to that row's cache and stack, so sequences of different
-lengths are never padded against each other in attention, and sequences with different policies
-may share a step.
+(`_Rows.route`) goes to each row's own cache and stack, so sequences of different lengths are
+never padded against each other in attention, and sequences with different policies may share a
+step. Decode rows whose stack is dense through the C++ CPU kernel (`PolicyStack.kernel_dense`)
+attend together, one `ragged_decode` call per layer over their own caches (the same arithmetic as
+the kernel's one-sequence call, bit for bit); every other row goes through its own stack.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, _Slot
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
 from cotserve.errors import RequestError
+from cotserve.kernels import cpu_decode
 from cotserve.policies.base import PolicyStack, grouped_attention
 from cotserve.policies.registry import build_policy
 
@@ -57,6 +62,7 @@ class _Seq:
     kv_before: torch.Tensor | None = None
     kv_after_prefill: int = 0
     kv_peak: int = 0
+    grows: bool = False  # its cache starts small and grows as it decodes (dense)
 
 
 class _Rows:
@@ -72,10 +78,22 @@ class _Rows:
         self.lengths = lengths or [1] * len(seqs)
         self.hidden: torch.Tensor | None = None
         self.policy = self  # the decoder stack calls batch.policy.steer(...)
+        self.scaling = seqs[0].view.scaling if seqs and seqs[0].view is not None else 1.0
         self._steer = [s.stack.steers() for s in seqs]
         # for logits hooks written against BatchState
         self.tokens = [s.view.tokens[0] for s in seqs if s.view is not None]
         self.prompt_lens = torch.tensor([s.slot.prompt_len for s in seqs])
+        # decode rows attended together through the C++ kernel, over their own caches
+        self.joint: list[int] = []
+        if mode == "decode":
+            self.joint = [j for j, s in enumerate(seqs) if s.stack.kernel_dense()]
+        if self.joint:
+            caches = [seqs[j].view.cache for j in self.joint]  # type: ignore[union-attr]
+            self.joint_k = [c.k for c in caches]
+            self.joint_v = [c.v for c in caches]
+            self.joint_at = [int(c.lens[0, 0]) for c in caches]  # the row each new entry goes to
+            self.joint_lens = torch.tensor(self.joint_at)
+            self.joint_set = set(self.joint)
 
     @property
     def batch_size(self) -> int:
@@ -95,8 +113,24 @@ class _Rows:
         """Attention of every row through its own cache and policy stack: q [B, Hq, T, D],
         k/v [B, Hkv, T, D] -> [B, Hq, T, D]."""
         if self.mode == "decode":
+            b, hq, _, d = q.shape
+            hkv = k.shape[1]
+            joint = None
+            if self.joint:
+                rows = self.joint if len(self.joint) < b else slice(None)
+                joint = cpu_decode.ragged_decode(q[rows].reshape(-1, hkv, hq // hkv, d), k[rows, :, 0], v[rows, :, 0],
+                                                 self.joint_k, self.joint_v, layer, self.joint_lens, self.scaling)
+                joint = joint.view(-1, hq, 1, d)
+                if len(self.joint) == b:
+                    return joint
             outs = []
+            at = 0
             for j, s in enumerate(self.seqs):
+                if self.joint and j in self.joint_set:
+                    assert joint is not None
+                    outs.append(joint[at : at + 1])
+                    at += 1
+                    continue
                 view = s.view
                 assert view is not None
                 view.cache.write_decode(layer, k[j : j + 1], v[j : j + 1], view.positions)
@@ -128,9 +162,10 @@ class ContinuousEngine:
 
     Not thread-safe: one thread calls `submit`, `cancel` and `step` (the worker's loop)."""
 
-    def __init__(self, engine: NativeEngine, slots: int | None = None, prefill_chunk: int = 256):
-        if prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be at least 1")
+    def __init__(self, engine: NativeEngine, slots: int | None = None, prefill_chunk: int = 256, grow: int = 256):
+        if prefill_chunk < 1 or grow < 1:
+            raise ValueError("prefill_chunk and grow must be at least 1")
+        self.grow = grow
         self.engine = engine
         self.slots = slots or engine.max_batch
         if self.slots < 1:
@@ -176,6 +211,12 @@ class ContinuousEngine:
         info = eng.info
         n = s.slot.prompt_len
         capacity = s.stack.capacity([n], s.slot.max_new)
+        if s.stack.parts and all(p.name == "dense" for p in s.stack.parts):
+            # dense holds no per-entry state of its own: its cache starts at the prompt plus
+            # `grow` entries and grows as it decodes (`_grow`), so a pool of many slots does not
+            # reserve every sequence's whole context up front
+            capacity = min(capacity, n + self.grow)
+            s.grows = True
         cache = KVCache(CacheShape(info.num_layers, 1, info.num_kv_heads, capacity, info.head_dim),
                         eng.dtype, self.device)
         s.view = BatchState(info=info, cache=cache, policy=s.stack, scaling=eng.scaling,
@@ -230,8 +271,19 @@ class ContinuousEngine:
         self._drop(s)
         return d
 
+    def _grow(self, s: _Seq) -> None:
+        """Room for this step's entry in a dense sequence's cache (see `_admit`): double, up to
+        the sequence's full length."""
+        cache = s.view.cache  # type: ignore[union-attr]
+        if int(cache.lens[0].max()) >= cache.capacity:
+            full = s.stack.capacity([s.slot.prompt_len], s.slot.max_new)
+            cache.grow(min(full, 2 * cache.capacity))
+
     def _decode(self, seqs: list[_Seq], lean: bool) -> list[Delta]:
         eng = self.engine
+        for s in seqs:
+            if s.grows:
+                self._grow(s)
         ids = torch.tensor([[s.slot.out_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
         positions = torch.tensor([s.slot.prompt_len + len(s.slot.out_ids) - 1 for s in seqs], device=self.device)
         for j, s in enumerate(seqs):
@@ -242,6 +294,10 @@ class ContinuousEngine:
             view.positions = positions[j : j + 1]
         rows = _Rows(seqs, "decode", lean)
         hidden = eng.forward(ids, positions.view(-1, 1), rows)  # type: ignore[arg-type]
+        for at, j in enumerate(rows.joint):  # the kernel wrote their new rows: the bookkeeping of write_decode
+            cache = seqs[j].view.cache  # type: ignore[union-attr]
+            cache.pos[:, 0, :, rows.joint_at[at]] = positions[j]
+            cache.lens += 1
         for j, s in enumerate(seqs):
             view = s.view
             assert view is not None

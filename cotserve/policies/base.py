@@ -133,6 +133,12 @@ class Policy:
         """Facts about how this policy ran (e.g. which implementation), for benchmark reports."""
         return {}
 
+    def kernel_dense(self) -> bool:
+        """True when, after `begin`, this policy's decode step is exact dense attention through the
+        C++ CPU kernel and its decode-time hooks keep no state: the continuous engine may then run
+        this sequence's attention together with other such sequences in one `ragged_decode` call."""
+        return False
+
 
 @dataclass
 class PolicyStack:
@@ -152,6 +158,10 @@ class PolicyStack:
 
     def chunked_prefill(self) -> bool:
         return all(p.chunked_prefill for p in self.parts)
+
+    def kernel_dense(self) -> bool:
+        """Every part's decode step is the C++ kernel's dense attention (`Policy.kernel_dense`)."""
+        return bool(self.parts) and all(p.kernel_dense() for p in self.parts)
 
     def steers(self) -> bool:
         """Whether any part overrides `steer` (the continuous engine skips the hook otherwise)."""

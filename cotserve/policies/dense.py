@@ -84,6 +84,9 @@ class DensePolicy(Policy):
             return grouped_attention(q, k, v, valid.unsqueeze(1), batch.scaling)
         return None
 
+    def kernel_dense(self) -> bool:
+        return getattr(self, "impl", None) == "cpu_kernel"
+
     def describe(self) -> dict[str, Any]:
         impl = getattr(self, "impl", "unknown")
         if impl == "default":
