@@ -48,3 +48,34 @@ def test_cuda_graph_decode_matches_eager():
     for a, b in zip(eager, graphed, strict=True):
         assert a.token_ids == b.token_ids
         assert (a.logprobs.float() - b.logprobs.float()).abs().max() < 1e-2
+
+
+def test_sfi_in_the_cuda_graph_matches_the_eager_policy():
+    """Native SFI on CUDA: by default the engine captures its decode step (the paged runtime,
+    `policies/sfi/graph.py`); the eager policy (`kernel=torch`) is the reference. Same tokens,
+    same trigger decisions, log-probs to float rounding (TF32 products in the kernels)."""
+    from cotserve.engine.native import GenRequest, NativeEngine
+    from cotserve.engine.sampling import SamplingParams
+    from cotserve.models import load_random_model
+    from cotserve.policies.registry import build_policy
+
+    loaded = load_random_model("smollm2-135m", device="cuda", dtype="float32")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, 40000, (n,), generator=gen).tolist() for n in (300, 170, 64)]
+    opts = {"k": 32, "recent": 16, "max_interval": 5}
+
+    def run(kernel: str):
+        stack = build_policy("sfi", {**opts, "kernel": kernel})
+        reqs = [GenRequest(p, SamplingParams(max_tokens=24, ignore_eos=True), record_logprobs=True) for p in prompts]
+        return NativeEngine(loaded).generate(reqs, stack), stack
+
+    (eager, es), (graphed, gs) = run("torch"), run("auto")
+    assert gs.parts[0].describe()["fast_step"] == "paged_triton" and "cuda_graph_capture_s" in graphed[0].telemetry
+    assert es.parts[0].describe()["fast_step"] == "torch" and "cuda_graph_capture_s" not in eager[0].telemetry
+    for a, b in zip(eager, graphed, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.telemetry["sfi_slow_steps"] == b.telemetry["sfi_slow_steps"] >= 4
+        # the Triton kernels' float32 products run as TF32 on the GPU (10-bit mantissa)
+        diff = float((a.logprobs.float() - b.logprobs.float()).abs().max())
+        print("sfi graph vs eager: max log-prob difference", diff)
+        assert diff < 5e-2

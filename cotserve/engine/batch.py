@@ -51,6 +51,7 @@ class BatchState:
     hidden: torch.Tensor | None = None
     active: torch.Tensor | None = None  # bool [B]: slots still generating
     extras: dict[str, Any] = field(default_factory=dict)  # per-request policy inputs, by slot
+    cuda_graphs: bool = False  # the engine captures the decode step in a CUDA graph where the stack allows it
     lean: bool = True  # the engine's lean decoder stack may run (no forward hook registered when the batch began)
 
     @property

@@ -292,6 +292,7 @@ class ContinuousEngine:
             view.mode = "decode"
             view.step = s.steps
             view.positions = positions[j : j + 1]
+            s.stack.before_step(view)
         rows = _Rows(seqs, "decode", lean)
         hidden = eng.forward(ids, positions.view(-1, 1), rows)  # type: ignore[arg-type]
         for at, j in enumerate(rows.joint):  # the kernel wrote their new rows: the bookkeeping of write_decode

@@ -201,14 +201,24 @@ class LeanDecoder:
             att = route_attention(i, q, k, v, batch)  # [B, Hq, T, D]
             hidden = hidden + _linear(att.transpose(1, 2).reshape(b, t, -1), w.o)
             x = rms_norm(hidden, (width,), w.ln2, w.eps2)
-            gate, up = _linear(x, w.gate_up).split(self.inter, dim=-1)
-            hidden = hidden + _linear(torch.nn.functional.silu(gate) * up, w.down)
+            if b * t <= MLP_CHUNK:
+                gate, up = _linear(x, w.gate_up).split(self.inter, dim=-1)
+                hidden = hidden + _linear(torch.nn.functional.silu(gate) * up, w.down)
+            else:  # a prefill of many long prompts: the MLP (per token) in slices, its intermediates bounded
+                flat, mlp = x.view(b * t, width), torch.empty_like(x).view(b * t, width)
+                for s in range(0, b * t, MLP_CHUNK):
+                    gate, up = _linear(flat[s : s + MLP_CHUNK], w.gate_up).split(self.inter, dim=-1)
+                    mlp[s : s + MLP_CHUNK] = _linear(torch.nn.functional.silu(gate) * up, w.down)
+                hidden = hidden + mlp.view(b, t, width)
         return self.final_norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """LM-head logits (float32) of hidden states [..., hidden], or None when the model's head
         is not a plain linear layer (the caller then uses the module)."""
         return None if self.head is None else _linear(hidden, self.head).float()
+
+
+MLP_CHUNK = 65536  # tokens per MLP slice in a forward over more tokens than this (long batched prefills)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,8 @@ class NativeEngine:
                            tokens=[list(r.prompt_ids) for r in requests],
                            active=torch.ones(bsz, dtype=torch.bool, device=self.device),
                            extras={i: r.extras for i, r in enumerate(requests)},
-                           lean=not self._layers_hooked())  # checked once per batch, not per step
+                           lean=not self._layers_hooked(),  # checked once per batch, not per step
+                           cuda_graphs=self.cuda_graphs and self.device.type == "cuda")
         stack.begin(batch)
 
         # prefill: one right-padded block (exact under a causal mask)
@@ -306,6 +307,7 @@ class NativeEngine:
             # one decode step for the whole batch (finished slots ride along, ignored)
             positions = plen_t + torch.tensor([len(s.out_ids) for s in slots], device=self.device) - 1
             batch.step = run.steps
+            stack.before_step(batch)
             if graph is not None:
                 hidden = graph.replay(next_tokens, positions)
             else:

@@ -9,6 +9,7 @@ Hooks, in the order the engine calls them for one batch:
 
   capacity(prompt_lens, max_new)      -> cache entries to preallocate per slot
   begin(batch)                        once, after the cache is allocated
+  before_step(batch)                  once per decode step, before the forward (outside CUDA graphs)
   steer(layer, hidden, batch)         hidden state entering each layer (steering axis)
   prefill_attention(layer, q, k, v, batch)   prompt attention (k, v already in the cache)
   decode_attention(layer, q, batch)   one decode step's attention over the cache (read axis)
@@ -133,6 +134,15 @@ class Policy:
         """Facts about how this policy ran (e.g. which implementation), for benchmark reports."""
         return {}
 
+    def graph_ready(self) -> bool:
+        """Whether, after `begin`, this policy's decode hooks may run inside a captured CUDA graph
+        (fixed launches, no host syncs; `before_step` does the per-step host work). Default: the
+        class's `graph_safe`."""
+        return self.graph_safe
+
+    def before_step(self, batch: BatchState) -> None:
+        """Once per decode step, before the forward (outside any CUDA graph)."""
+
     def kernel_dense(self) -> bool:
         """True when, after `begin`, this policy's decode step is exact dense attention through the
         C++ CPU kernel and its decode-time hooks keep no state: the continuous engine may then run
@@ -151,7 +161,12 @@ class PolicyStack:
         return "+".join(p.name for p in self.parts) or "dense"
 
     def graph_safe(self) -> bool:
-        return all(p.graph_safe for p in self.parts)
+        """Whether the engine may capture the decode step (every part `graph_ready`, after `begin`)."""
+        return all(p.graph_ready() for p in self.parts)
+
+    def before_step(self, batch: BatchState) -> None:
+        for p in self.parts:
+            p.before_step(batch)
 
     def prefill_shareable(self) -> bool:
         return all(p.prefill_shareable for p in self.parts)

@@ -84,9 +84,11 @@ class SFIOptions(PolicyOptions):
     dense_budget: int = Field(1024, ge=0, description="entries a fallback head reads per step by Quest page bounds "
                                                       "(0 = all)")
     dense_page: int = Field(4, ge=1, description="page size of those bounds (Quest uses 16)")
-    kernel: Literal["auto", "torch"] = Field(
+    kernel: Literal["auto", "torch", "paged"] = Field(
         "auto", description="fast-step implementation: auto (the C++ CPU kernel on a CPU with a float32 cache, "
-                            "where it builds) | torch; results equal up to float rounding")
+                            "where it builds; paged under the native engine's CUDA graphs) | torch | paged (the "
+                            "graph-safe Triton runtime of kernels/sfi_paged.py; SFI alone, no fallback heads); "
+                            "results equal up to float rounding")
     compact_dtype: Literal["auto", "cache", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 under the kernel with bf16 weights (bf16w), else cache | cache | bfloat16")
 

@@ -9,7 +9,7 @@ from cotserve.policies.base import PolicyConfig
 
 TRIGGERS = ("boundary", "fixed_periodic", "disabled")
 FUSIONS = ("geometric", "linear")
-KERNELS = ("auto", "torch")
+KERNELS = ("auto", "torch", "paged")
 COMPACT_DTYPES = ("auto", "cache", "bfloat16")
 
 
@@ -52,7 +52,9 @@ class SFIConfig(PolicyConfig):
     dense_budget: int = 1024  # entries a fallback head reads per step by Quest page bounds (0 = all)
     dense_page: int = 4  # page size of those bounds (Quest uses 16)
     # fast-step implementation (ours; results equal up to float rounding)
-    kernel: str = "auto"  # auto: the C++ CPU kernel (kernels/cpu_decode.cpp) on a CPU with a float32 cache, where it builds | torch
+    # auto: the C++ CPU kernel (kernels/cpu_decode.cpp) on a CPU with a float32 cache, where it builds; the paged
+    # Triton runtime under the native engine's CUDA graphs | torch | paged: that runtime (policies/sfi/graph.py)
+    kernel: str = "auto"
     compact_dtype: str = "auto"  # auto: bfloat16 under the kernel with bf16 weights (bf16w), else cache | cache | bfloat16
 
     def validate(self) -> None:

@@ -37,64 +37,20 @@ from cotserve.policies.registry import register
 from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.fallback import entries_read, page_bound_attention, page_bounds
+from cotserve.policies.sfi.selection import (  # noqa: F401  (the selector's functions, also imported from here)
+    candidates,
+    evidence_of,
+    mask_rows_inplace,
+    select_from_evidence,
+    select_positions,
+    selector_scores_from_evidence,
+)
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 log = logging.getLogger(__name__)
-
-
-def candidates(cfg: SFIConfig, shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """Bool mask (broadcast view, no memory) of the selectable entries: everything after the sinks."""
-    s = shape[-1]
-    return (torch.arange(s, device=device) >= cfg.sinks).expand(shape)
-
-
-def select_positions(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor | None, positions: torch.Tensor,
-                     key_norms: torch.Tensor, now: int) -> torch.Tensor:
-    """The whole SFI selector for one (sequence, layer): cache indices to keep per KV head.
-
-    logits [H, R, S] (R = GQA group x observation rows), allowed bool [H, R, S] (causal per row;
-    None: already applied to `logits` as -inf), positions [H, S] true positions of the entries,
-    key_norms [H, S]. Candidates are the entries after the sinks. Returns long
-    [H, min(k, S - sinks)] sorted ascending. `evidence_of` then `select_from_evidence`."""
-    return select_from_evidence(cfg, evidence_of(cfg, logits, allowed), positions, key_norms, now)
-
-
-def evidence_of(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Selector step 1, the evidence f (`selector.evidence`): logits [..., H, R, S] -> [..., H, S]."""
-    cand = candidates(cfg, logits.shape[:-2] + logits.shape[-1:], logits.device)
-    return sel.evidence(logits, allowed, cand, cfg.alpha)
-
-
-def select_from_evidence(cfg: SFIConfig, f: torch.Tensor, positions: torch.Tensor, key_norms: torch.Tensor,
-                         now: int) -> torch.Tensor:
-    """Selector steps 2-5 on the evidence f [..., H, S]: prior, fusion, soft-NMS, cross-head
-    exclusivity, top-K per KV head. Any leading dims (e.g. the layers of one sequence, selected
-    together after a slow step) are independent problems. Returns long [..., H, min(k, S - sinks)]
-    sorted ascending."""
-    s = f.shape[-1]
-    k_eff = min(cfg.k, s - cfg.sinks)
-    if k_eff <= 0:
-        return torch.empty(*f.shape[:-1], 0, dtype=torch.long, device=f.device)
-    return sel.topk_per_head(selector_scores_from_evidence(cfg, f, positions, key_norms, now), k_eff)
-
-
-def selector_scores_from_evidence(cfg: SFIConfig, f: torch.Tensor, positions: torch.Tensor, key_norms: torch.Tensor,
-                                  now: int) -> torch.Tensor:
-    """Selector steps 2-4 (prior, fusion, soft-NMS, cross-head exclusivity): the final log score
-    [..., H, S] of every entry, -inf outside the candidates; the top-K of it is the selection."""
-    cand = candidates(cfg, f.shape, f.device)
-    factors = [sel.position_prior(positions, now, cfg.decay, cfg.tail_len, cfg.brake)]
-    if cfg.norm_power != 0.0:
-        factors.append(sel.key_norm_prior(key_norms, cand, cfg.norm_power))
-    r = sel.prior(factors, cand)
-    lam = sel.stability_lambda(f, r, cfg.lam_clip) if cfg.lam < 0 else cfg.lam
-    fuse = sel.geometric_fusion if cfg.fusion == "geometric" else sel.linear_fusion
-    logs = fuse(f, r, lam, cand)
-    logs = sel.soft_nms(logs, cfg.nms_window, cfg.nms_strength)
-    return sel.cross_head_exclusivity(logs, cfg.excl_strength, cfg.excl_temperature)
 
 
 def _use_kernel(cfg: SFIConfig, device: torch.device, dtype: torch.dtype) -> bool:
@@ -120,21 +76,6 @@ def _compact_dtype(cfg: SFIConfig, cache_dtype: torch.dtype, weight_dtype: torch
     return cache_dtype
 
 
-def mask_rows_inplace(logits: torch.Tensor, positions: torch.Tensor, row_pos: torch.Tensor, sinks: int) -> None:
-    """Write -inf where a query row may not look: the sinks (always read, so not candidates) and,
-    per row, entries newer than the row's own position (causal). logits [H, G, R, S], positions
-    [H, S] sorted ascending per head, row_pos [R]. Only the tail newer than the oldest row is
-    touched, so this costs O(R x window) instead of a full mask."""
-    logits[..., :sinks] = float("-inf")
-    h, _, r, s = logits.shape
-    oldest = row_pos.min().view(1, 1).expand(h, 1).contiguous()
-    cut = int(torch.searchsorted(positions.contiguous(), oldest, right=True).min())
-    if cut < s:
-        tail = positions[:, cut:]  # [H, T]
-        bad = tail.unsqueeze(1) > row_pos.view(1, r, 1)  # [H, R, T]
-        logits[..., cut:].masked_fill_(bad.unsqueeze(1), float("-inf"))
-
-
 @register
 class SFIPolicy(Policy):
     """Slow-Fast Inference: sink + selected (compact) + recent reads, refreshed near sentence ends."""
@@ -149,6 +90,17 @@ class SFIPolicy(Policy):
         cfg = self.config
         cache = batch.cache
         shape = cache.shape
+        self.runtime = None  # the paged runtime (graph.py), when it serves this batch
+        if cfg.kernel == "paged" or (cfg.kernel == "auto" and batch.cuda_graphs):
+            from cotserve.policies.sfi import graph
+
+            alone = list(batch.policy.parts) == [self]
+            if graph.supported(cfg) and alone:
+                self.runtime = graph.NativeGraphSFI(cfg, batch)
+                return
+            if cfg.kernel == "paged":
+                log.warning("sfi: kernel=paged serves SFI alone without fallback heads (dense_heads=0); "
+                            "this batch decodes through the eager policy")
         L, B, H, D = shape.layers, shape.slots, shape.kv_heads, shape.head_dim  # noqa: N806
         dev, dt = cache.device, cache.k.dtype
         self.hq = batch.info.num_heads
@@ -325,9 +277,20 @@ class SFIPolicy(Policy):
             self.ckt[sel, b, :, :, :m] = kk.transpose(-1, -2)
         self.cv[sel, b, :, :m] = vv
 
+    # -- the paged runtime's hooks ------------------------------------------------------------
+    def graph_ready(self) -> bool:
+        return getattr(self, "runtime", None) is not None
+
+    def before_step(self, batch: BatchState) -> None:
+        if self.runtime is not None:
+            self.runtime.plan(batch)
+
     # -- prefill: dense causal attention + bootstrap selection ------------------------------
     def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> torch.Tensor:
         out = causal_prefill(q, k, v, batch.scaling)
+        if self.runtime is not None:
+            self.runtime.prefill(layer, q, batch)
+            return out
         w_max, r_max = self.config.prefill_window, self.config.obs_window
         hkv = k.shape[1]
         for b in range(q.shape[0]):
@@ -397,6 +360,8 @@ class SFIPolicy(Policy):
         self.read_acc = reads.sum(dim=0)  # [B, H] entries read outside the window, over all layers
 
     def decode_attention(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
+        if self.runtime is not None:
+            return self.runtime.attend(layer, q)
         if layer == 0:
             self._plan(batch)
         cache = batch.cache
@@ -491,7 +456,7 @@ class SFIPolicy(Policy):
         out[b : b + 1, grp] = grouped_attention(q[b : b + 1, grp], *kv, None, batch.scaling)
 
     def after_forward(self, batch: BatchState) -> None:
-        if batch.mode != "decode":
+        if batch.mode != "decode" or self.runtime is not None:  # the runtime counts in `plan`
             return
         read = (self.read_acc.float().mean(-1) / self.n_layers).tolist()
         wcount = self.wmask.sum(-1).view(-1).tolist()
@@ -509,10 +474,15 @@ class SFIPolicy(Policy):
                     self.dense_sum[b] += self.dense_frac[b]
 
     def describe(self) -> dict[str, Any]:
+        if self.runtime is not None:
+            return {"fast_step": "paged_triton", "compact_dtype": str(self.runtime.cv.dtype).replace("torch.", "")}
         return {"fast_step": "cpu_kernel" if self.kernel else "torch",
                 "compact_dtype": str(self.cv.dtype).replace("torch.", "")}
 
     def telemetry(self, slot: int) -> dict[str, Any]:
+        if self.runtime is not None:
+            st = self.runtime.states[slot]
+            return {**self.runtime.telemetry(st), "sfi_dense_head_ratio": 0.0}
         n = self.steps[slot]
         return {
             "sfi_steps": n,

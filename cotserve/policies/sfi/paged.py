@@ -1,0 +1,221 @@
+"""SFI's graph-safe state on a paged KV cache, shared by vLLM's CUDA backend
+(`cotserve.vllm.graph_sfi`) and the native engine's CUDA graphs (`cotserve.policies.sfi.graph`).
+
+Everything a captured decode step reads lives in persistent tensors, allocated once:
+
+* compact buffers `ck`, `cv` [L, slots, Hkv, C, D] and their positions `cpos` [L, slots, Hkv, C]
+  (-1 = empty), C = sinks + k rounded up to 64;
+* rings [L, slots + 1, W, Hq, D] of query rows (slot `slots` is scratch: rows of no SFI sequence
+  write there);
+* per batch row: mode (0 not SFI, 1 SFI: compact entries older than the window start plus the
+  window), slot, token index, window start, length; the ring writes of the step (token, slot, ring
+  index).
+
+A refresh (`refresh`) computes the evidence of a sequence's ring rows over its history, read in
+place from the paged cache (`kernels.sfi_paged.paged_logits`), runs the selector's steps 2-5
+(the fused Triton selector, or `cotserve.policies`' own functions) on all layers at once, and
+re-packs the compact buffers (`paged_pack`). The engine-specific part, how the cache is viewed
+as pages and how rows are planned each step, is the subclass's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cotserve.kernels.sfi_paged import paged_logits, paged_pack, ring_write
+from cotserve.kernels.sfi_select import fused_supported, selector_scores, topk_sorted
+from cotserve.policies import selector as sel
+from cotserve.policies.sfi.config import SFIConfig
+from cotserve.policies.sfi.selection import select_from_evidence
+from cotserve.policies.sfi.trigger import RefreshTrigger
+
+
+def padded(*shape: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """An uninitialized tensor of `shape` whose rows are allocated to a multiple of 16 entries: the
+    strides the refresh kernels see are then multiples of 16 whatever the length, so Triton
+    compiles them once (at admission) and never again inside a slow step."""
+    *lead, last = shape
+    return torch.empty(*lead, -(-max(last, 1) // 16) * 16, dtype=dtype, device=device)[..., :last]
+
+
+def ring_size(cfg: SFIConfig) -> int:
+    """Query rows a request keeps per layer: the bootstrap's `prefill_window` prompt rows and the
+    slow steps' `obs_window` decode rows (position p at index p % size)."""
+    return max(cfg.prefill_window, cfg.obs_window)
+
+
+def sfi_telemetry(st) -> dict[str, float | int]:
+    """A request's SFI telemetry (the native policy's keys) from its counters."""
+    n = st.steps
+    return {"sfi_steps": n, "sfi_slow_steps": st.slow_steps,
+            "sfi_slow_step_ratio": round(st.slow_steps / n, 4) if n else 0.0,
+            "sfi_retained_ratio": round(st.retained_sum / n, 4) if n else 1.0,
+            "sfi_selected_per_head": st.k_eff}
+
+
+W_MAX = 32  # obs_window at most
+
+
+@dataclass
+class SlotState:
+    cfg: SFIConfig
+    trigger: RefreshTrigger
+    prompt_len: int
+    slot: int
+    kv_len: int = 0
+    steps: int = 0
+    slow_steps: int = 0
+    retained_sum: float = 0.0
+    ring_pos: list[int] = field(default_factory=list)
+    refresh_n: int = 0  # > 0: a refresh over this many entries is due at the next step
+    refresh_lo: int = 0  # ... from the query rows at positions [refresh_lo, refresh_n)
+    k_eff: int = 0
+
+
+class PagedSFI:
+    """Compact buffers, rings, row tensors and the batched refresh (module docstring)."""
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype, device: torch.device, slots: int, max_rows: int, max_k: int = 2048,
+                 max_sinks: int = 16):
+        self.L, self.hq, self.hkv, self.d = num_layers, num_heads, num_kv_heads, head_dim
+        self.g = num_heads // num_kv_heads
+        self.scale = scale
+        self.device = torch.device(device)
+        self.slots = slots
+        self.max_rows = max_rows
+        self.max_k = max_k
+        self.C = -(-(max_k + max_sinks) // 64) * 64
+        L, S, H, C, D = self.L, slots, num_kv_heads, self.C, head_dim  # noqa: N806
+        dev = self.device
+        self.ck = torch.zeros(L, S, H, C, D, dtype=dtype, device=dev)
+        self.cv = torch.zeros(L, S, H, C, D, dtype=dtype, device=dev)
+        self.cpos = torch.full((L, S, H, C), -1, dtype=torch.int32, device=dev)
+        self.ring = torch.zeros(L, S + 1, W_MAX, num_heads, D, dtype=dtype, device=dev)
+        r = max_rows
+        self.row_mode = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_slot = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_tok = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_ws = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_len = torch.zeros(r, dtype=torch.int32, device=dev)
+        nw = r * 4  # ring writes per step: one per decode row, a few per prefill row (more go eager)
+        self.nw = nw
+        self.w_tok = torch.zeros(nw, dtype=torch.long, device=dev)
+        self.w_slot = torch.full((nw,), S, dtype=torch.long, device=dev)
+        self.w_idx = torch.zeros(nw, dtype=torch.long, device=dev)
+        self.extra_writes: list[tuple[int, int, int]] = []  # ring writes beyond nw (eager steps only)
+        self.refreshes = 0
+        self._warmed: set[tuple] = set()
+
+    # -- inside the step (captured) -------------------------------------------------------------
+    def write_ring(self, layer: int, q: torch.Tensor) -> None:
+        """The step's query rows of SFI requests into their rings (scratch slot for the rest)."""
+        ring_write(q, self.ring[layer], self.w_tok, self.w_slot, self.w_idx)
+        for tok, slot, w in self.extra_writes:  # writes beyond the row tensors: eager steps only
+            self.ring[layer, slot, w] = q[tok]
+
+    # -- refresh: evidence, selection, re-pack -------------------------------------------------
+    def refresh_all(self, due: list[tuple[SlotState, torch.Tensor]], block_size: int) -> None:
+        """Run the due refreshes, those with the same options, length and ring rows together."""
+        groups: dict[tuple, list[tuple[SlotState, torch.Tensor]]] = {}
+        for st, blocks in due:
+            rows = tuple(p for p in st.ring_pos if max(0, st.refresh_lo) <= p < st.refresh_n)
+            groups.setdefault((repr(st.cfg), st.refresh_n, rows), []).append((st, blocks))
+        for group in groups.values():
+            self.refresh([st for st, _ in group], torch.stack([b for _, b in group]), block_size)
+
+    def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values as paged views [blocks, block, H, D] (the engine's layout)."""
+        raise NotImplementedError
+
+    def _keys(self, layer: int) -> torch.Tensor:
+        return self._kv(layer)[0]
+
+    def refresh(self, states: list[SlotState], blocks: torch.Tensor, block_size: int, budget: int = 1 << 28) -> None:
+        """Evidence of the ring's rows over the first `refresh_n` entries, then selector steps 2-5
+        and the re-pack, for every layer of J requests with equal options, length and ring rows
+        (`blocks` [J, max blocks]); the layers go in chunks that keep the float32 logits under
+        `budget` elements."""
+        st0 = states[0]
+        cfg, n = st0.cfg, st0.refresh_n
+        idx = [i for i, p in enumerate(st0.ring_pos) if max(0, st0.refresh_lo) <= p < n]
+        rp = [st0.ring_pos[i] for i in idx]
+        now, oldest, r, j = max(rp), min(rp), len(idx), len(states)
+        for st in states:
+            st.refresh_n = 0
+        dev = self.device
+        row_pos = torch.tensor(rp, device=dev)
+        ridx = torch.tensor(idx, device=dev)
+        slots = torch.tensor([st.slot for st in states], device=dev)
+        pos = torch.arange(n, device=dev)
+        chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
+        fused = fused_supported(cfg)
+        k_eff = max(0, min(cfg.k, n - cfg.sinks))
+        keeps, fs, norms_all = [], [], []
+        for l0 in range(0, self.L, chunk):
+            nl = min(self.L, l0 + chunk) - l0
+            q = self.ring[l0 : l0 + nl][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
+            q = (q.permute(1, 0, 3, 2, 4).reshape(j, nl, self.hkv, self.g * r, self.d) * self.scale).contiguous()
+            logits = padded(j, nl, self.hkv, self.g * r, n, device=dev)
+            norms = padded(j, nl, self.hkv, n, device=dev)
+            for i in range(nl):  # one read of the layer's keys, in place in the paged cache
+                paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, i])
+            logits = logits.view(j, nl, self.hkv, self.g, r, n)
+            logits[..., : cfg.sinks] = float("-inf")
+            if oldest + 1 < n:  # causal: a row sees no entry newer than itself
+                tail = logits[..., oldest + 1 :]
+                tail.masked_fill_(pos[oldest + 1 :] > row_pos.view(r, 1), float("-inf"))
+            if fused:  # the whole selector in two kernels, then the top-K
+                scores = selector_scores(cfg, logits.view(j * nl, self.hkv, self.g * r, n),
+                                         norms.view(j * nl, self.hkv, n), now)
+                keeps.append(topk_sorted(scores, k_eff).view(j, nl, self.hkv, k_eff))
+            else:
+                f, _ = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, 0, False)
+                fs.append(f)
+                norms_all.append(norms)
+        if fused:
+            keep = torch.cat(keeps, 1)  # [J, L, H, k]
+        else:
+            f = torch.cat(fs, 1)  # [J, L, H, n]
+            keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), torch.cat(norms_all, 1), now)
+        ns = min(cfg.sinks, n)
+        m = ns + keep.shape[-1]
+        keys = padded(j, self.L, self.hkv, m, dtype=torch.long, device=dev)  # [J, L, H, m]
+        keys[..., :ns] = pos[:ns]
+        keys[..., ns:] = keep
+        self.cpos[:, slots] = -1
+        self.cpos[:, slots, :, :m] = keys.transpose(0, 1).to(torch.int32)
+        # pack: read only the kept entries, straight from the paged cache
+        slots32 = slots.to(torch.int32)
+        for li in range(self.L):
+            kc, vc = self._kv(li)
+            paged_pack(keys[:, li], blocks, kc, vc, self.ck[li], self.cv[li], slots32)
+        for st in states:
+            st.k_eff = keep.shape[-1]
+
+    def _warm(self, cfg: SFIConfig, slot: int = 0) -> None:
+        """Compile the refresh kernels for these options' row counts now (at admission, during the
+        prompt) rather than inside the first slow step of a decoding request."""
+        key = (cfg.obs_window, cfg.prefill_window, fused_supported(cfg))
+        if key in self._warmed:
+            return
+        self._warmed.add(key)
+        kc, vc = self._kv(0)
+        dev = self.device
+        bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        n = kc.shape[1]  # one block
+        for rows in sorted({cfg.obs_window, cfg.prefill_window}):
+            q = torch.zeros(1, self.hkv, self.g * rows, self.d, dtype=self.ring.dtype, device=dev)
+            logits, norms = padded(1, self.hkv, self.g * rows, n, device=dev), padded(1, self.hkv, n, device=dev)
+            paged_logits(q, kc, bt, n, out=logits, norms=norms)
+            if fused_supported(cfg):
+                topk_sorted(selector_scores(cfg, logits, norms, n - 1), 1)
+        # the re-pack, into the slot being admitted (its contents are replaced at its first refresh)
+        slot_t = torch.tensor([slot], dtype=torch.int32, device=dev)
+        keys = padded(1, self.L, self.hkv, min(cfg.sinks + cfg.k, self.C), dtype=torch.long, device=dev).zero_()
+        paged_pack(keys[:, 0], bt, kc, vc, self.ck[0], self.cv[0], slot_t)
+
+    # -- telemetry -----------------------------------------------------------------------------
+    telemetry = staticmethod(sfi_telemetry)
