@@ -344,8 +344,9 @@ def serve(
         from cotserve.gateway.auth import check_bind, load_keys
 
         check_bind(host, load_keys(api_key_file), insecure)  # before anything slow is loaded
-        from cotserve.gateway.server import EngineArgs, ServeArgs, run_serve
+        from cotserve.gateway.server import ServeArgs, run_serve
         from cotserve.policies.registry import parse_options
+        from cotserve.worker.main import EngineArgs
 
         if max_queue < 1 or max_batch < 1:
             raise CotserveError("--max-queue and --max-batch must be at least 1")
@@ -399,7 +400,7 @@ def worker(
 ) -> None:
     """Decode jobs from a Redis queue (run as many as wanted next to `serve --redis-url`)."""
     try:
-        from cotserve.gateway.server import EngineArgs, run_worker
+        from cotserve.worker.main import EngineArgs, run_worker
 
         _check_scheduler(scheduler, prefill_chunk)
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,

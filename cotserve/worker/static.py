@@ -28,7 +28,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.engine.native import GenRequest, NativeEngine
@@ -36,6 +35,7 @@ from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError, PolicyError, RequestError, redact_paths
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue, QueueUnavailable
+from cotserve.worker.events import Resume, delta_event, diverged_error, done_event, published_state
 
 log = logging.getLogger("cotserve.worker")
 # One line per finished request (done, cancelled or failed); its fields also go to JSON logs.
@@ -43,70 +43,6 @@ request_log = logging.getLogger("cotserve.requests")
 
 # A worker whose heartbeat is this many periods old counts as dead (room for a busy, shared machine).
 HEARTBEAT_MISSES = 5
-
-
-@dataclass
-class _Resume:
-    """What earlier attempts already published for one job."""
-
-    ids: list[int] = field(default_factory=list)
-    text_len: int = 0
-    seen_ids: int = 0  # regenerated so far
-    seen_text: int = 0
-    failed: bool = False
-
-
-
-def diverged_error() -> dict[str, Any]:
-    """The error event of a resumed job whose retry produced tokens other than those published."""
-    return {"t": "error", "status": 500, "code": "worker_lost",
-            "message": "the worker running this request stopped mid-stream and the retry produced different "
-                       "tokens; retry the request"}
-
-
-def delta_event(ids: list[int], text: str, logprobs, index: int, n: int) -> dict[str, Any]:
-    """A `delta` event: new token ids and text, their logprobs when asked, the choice index when n > 1."""
-    ev: dict[str, Any] = {"t": "delta", "ids": ids, "text": text}
-    if logprobs is not None and ids:
-        ev["lp"] = _lp_event(logprobs[len(logprobs) - len(ids):])
-    if n > 1:
-        ev["i"] = index
-    return ev
-
-
-def done_event(job: Job, res, index: int, n: int, worker_id: str) -> dict[str, Any]:
-    """A sequence's `done` event: finish reason, usage and telemetry (with the queue wait, the
-    attempt and the worker)."""
-    tele = dict(res.telemetry)
-    tele["queue_wait_s"] = round(max(0.0, job.claimed_at - job.created), 4)
-    tele["attempt"] = job.attempts
-    tele["worker"] = worker_id
-    done: dict[str, Any] = {"t": "done", "finish_reason": res.finish_reason,
-                            "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens},
-                            "telemetry": tele}
-    if n > 1:
-        done["i"] = index
-    return done
-
-def _published_state(events: list[dict[str, Any]], n: int = 1) -> tuple[_Resume, bool]:
-    """What was published for a job of `n` sequences; ended once all n are done (or on an error)."""
-    st = _Resume()
-    done = 0
-    ended = False
-    for e in events:
-        if e.get("t") == "delta":
-            st.ids.extend(e.get("ids", []))
-            st.text_len += len(e.get("text", ""))
-        elif e.get("t") == "done":
-            done += 1
-        elif e.get("t") == "error":
-            ended = True
-    return st, ended or done >= n
-
-
-def _lp_event(lps: list[tuple[float, list[tuple[int, float]]]]) -> list[list[Any]]:
-    """Logprobs as JSON: [[logprob, [[id, logprob], ...]], ...] per token."""
-    return [[round(lp, 6), [[i, round(v, 6)] for i, v in top]] for lp, top in lps]
 
 
 class Worker:
@@ -275,7 +211,7 @@ class Worker:
 
     def _run_same_policy(self, jobs: list[Job], resume_all: bool = False) -> None:
         reqs: list[GenRequest] = []
-        resume: dict[str, _Resume] = {}
+        resume: dict[str, Resume] = {}
         live: dict[str, Job] = {}
         seq: dict[str, tuple[str, int, int]] = {}  # request id -> (job id, sequence index, n)
         left: dict[str, int] = {}  # job id -> sequences still running
@@ -291,7 +227,7 @@ class Worker:
             if job.attempts > 1 or resume_all:
                 published = self._q(self.queue.published, job.id)
                 self._stream_len[job.id] = len(published)
-                st, ended = _published_state(published, n)
+                st, ended = published_state(published, n)
                 if ended:  # the earlier worker finished it but died before acknowledging
                     self._q(self.queue.finish, self.worker_id, job.id)
                     continue
@@ -381,7 +317,7 @@ class Worker:
                                           d.result.completion_tokens, first_token_at.get(jid), d.result.telemetry)
 
     @staticmethod
-    def _skip_published(st: _Resume, ids: list[int], text: str) -> tuple[list[int], str]:
+    def _skip_published(st: Resume, ids: list[int], text: str) -> tuple[list[int], str]:
         """Drop the part of a regenerated delta that an earlier attempt already published,
         checking the regenerated token ids against the published ones."""
         start = st.seen_ids

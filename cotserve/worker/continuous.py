@@ -7,7 +7,7 @@ for the static worker; with nothing running it lets a group fill for `--batch-wa
 sequences running it claims at once), submits them, runs one step and publishes that step's
 deltas. A cancelled job leaves the engine at the next step and its slot goes to the next job.
 Everything else (heart-beats, reaping, deadlines, resuming a job after a lost worker, `n`
-sequences per job, logprobs, request logs) follows the static worker (`cotserve/worker.py`).
+sequences per job, logprobs, request logs) follows the static worker (`worker/static.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError, RequestError
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue
-from cotserve.worker import Worker, _published_state, _Resume, delta_event, diverged_error, done_event
+from cotserve.worker.events import Resume, delta_event, diverged_error, done_event, published_state
+from cotserve.worker.static import Worker
 
 log = logging.getLogger("cotserve.worker")
 
@@ -35,7 +36,7 @@ class _Running:
     job: Job
     n: int
     left: int
-    resume: _Resume | None = None
+    resume: Resume | None = None
     lost: bool = False
     first_token_at: float | None = None
     request_ids: list[str] = field(default_factory=list)
@@ -101,7 +102,7 @@ class ContinuousWorker(Worker):
         if job.attempts > 1:
             published = self._q(self.queue.published, job.id)
             self._stream_len[job.id] = len(published)
-            st, ended = _published_state(published, n)
+            st, ended = published_state(published, n)
             if ended:  # the earlier worker finished it but died before acknowledging
                 self._q(self.queue.finish, self.worker_id, job.id)
                 self._stream_len.pop(job.id, None)
