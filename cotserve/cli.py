@@ -388,6 +388,12 @@ def worker(
     worker_id: Annotated[str | None, typer.Option(help="Name in the queue (default: host-pid-random).")] = None,
     heartbeat: Annotated[float, typer.Option(help="Heartbeat period in seconds; a worker silent for 5 periods "
                                              "loses its jobs to the others.")] = 1.0,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Serve the worker's Prometheus metrics on http://METRICS_HOST:PORT/metrics (default: off).")] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address the metrics port listens on (0.0.0.0: every "
+                                              "interface).")] = "127.0.0.1",
+    stats_interval: Annotated[float, typer.Option(help="Seconds between the worker's stats log lines (requests "
+                                                  "running and finished, tokens, tok/s); 0 = none.")] = 10.0,
     threads: ThreadsOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -403,13 +409,18 @@ def worker(
         from cotserve.worker.main import EngineArgs, run_worker
 
         _check_scheduler(scheduler, prefill_chunk)
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise CotserveError("--metrics-port must be a port number (0 to 65535)")
+        if stats_interval < 0:
+            raise CotserveError("--stats-interval must be at least 0")
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                                      max_wait=batch_wait, threads=threads, engine=engine,
                                                      scheduler=scheduler, prefill_chunk=prefill_chunk,
                                                      vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
                                                                                 gpu_memory_utilization, max_num_seqs,
                                                                                 enforce_eager)),
-                   worker_id=worker_id, heartbeat_s=heartbeat)
+                   worker_id=worker_id, heartbeat_s=heartbeat, metrics_port=metrics_port, metrics_host=metrics_host,
+                   stats_s=stats_interval)
     except CotserveError as exc:
         fail(str(exc))
 

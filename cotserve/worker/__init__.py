@@ -3,7 +3,8 @@
 `static.py` (`Worker`: a claimed group runs to its end), `continuous.py` (`ContinuousWorker`: a
 job joins whenever a slot is free; `make_worker` picks one for `--scheduler`), `events.py` (the
 stream's events, shared by both), `main.py` (`cotserve worker`, the embedded worker thread,
-`EngineArgs`).
+`EngineArgs`), `metrics.py` (the worker's Prometheus metrics; no torch, the gateway shares its
+buckets).
 
 The names below load their module on first use, so importing a torch-free part (`main`'s
 `EngineArgs`, say) does not load the engine.
@@ -19,9 +20,10 @@ _EXPORTS = {
     "ContinuousWorker": "continuous", "make_worker": "continuous", "SCHEDULERS": "continuous",
     "delta_event": "events", "done_event": "events", "diverged_error": "events", "published_state": "events",
     "EngineArgs": "main", "make_engine": "main", "run_worker": "main", "start_worker_thread": "main",
+    "WorkerMetrics": "metrics",
 }
 __all__ = [
-    "HEARTBEAT_MISSES", "SCHEDULERS", "ContinuousWorker", "EngineArgs", "Worker", "delta_event",
+    "HEARTBEAT_MISSES", "SCHEDULERS", "ContinuousWorker", "EngineArgs", "Worker", "WorkerMetrics", "delta_event",
     "diverged_error", "done_event", "make_engine", "make_worker", "published_state", "run_worker",
     "start_worker_thread",
 ]
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from cotserve.worker.continuous import SCHEDULERS, ContinuousWorker, make_worker
     from cotserve.worker.events import delta_event, diverged_error, done_event, published_state
     from cotserve.worker.main import EngineArgs, make_engine, run_worker, start_worker_thread
+    from cotserve.worker.metrics import WorkerMetrics
     from cotserve.worker.static import HEARTBEAT_MISSES, Worker
 
 

@@ -24,6 +24,7 @@ from cotserve.errors import CotserveError, RequestError
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue
 from cotserve.worker.events import Resume, delta_event, diverged_error, done_event, published_state
+from cotserve.worker.metrics import WorkerMetrics
 from cotserve.worker.static import Worker
 
 log = logging.getLogger("cotserve.worker")
@@ -43,11 +44,15 @@ class _Running:
 
 
 class ContinuousWorker(Worker):
+    scheduler = "continuous"
+
     def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
-                 poll_s: float = 0.01, cancel_poll_s: float = 0.05, prefill_chunk: int = 256):
+                 poll_s: float = 0.01, cancel_poll_s: float = 0.05, prefill_chunk: int = 256,
+                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None):
         super().__init__(engine, queue, worker_id=worker_id, max_batch=max_batch, max_wait=max_wait,
-                         heartbeat_s=heartbeat_s, poll_s=poll_s, cancel_poll_s=cancel_poll_s)
+                         heartbeat_s=heartbeat_s, poll_s=poll_s, cancel_poll_s=cancel_poll_s, stats_s=stats_s,
+                         metrics=metrics)
         self.prefill_chunk = prefill_chunk
         self.pool = ContinuousEngine(engine, slots=self.max_batch, prefill_chunk=prefill_chunk)
         self._jobs: dict[str, _Running] = {}
@@ -81,6 +86,7 @@ class ContinuousWorker(Worker):
                 run = self._jobs.pop(jid)
                 self._error(run.job, 500, "server_error", f"the worker failed on this batch: {type(exc).__name__}: {exc}")
             self._seq.clear()
+            self._last_token_at.clear()
             self._running = set()
             self.pool = ContinuousEngine(self.engine, slots=self.max_batch, prefill_chunk=self.prefill_chunk)
             return claimed + 1
@@ -170,16 +176,21 @@ class ContinuousWorker(Worker):
                 if st.failed:
                     events.append(diverged_error())
                     run.lost = True
+            sent = 0
             if not run.lost and (ids or text):
                 events.append(delta_event(ids, text, d.logprobs, index, n))
                 if run.first_token_at is None:
                     run.first_token_at = time.time()
+                sent = len(ids)
             if d.result is not None and not run.lost:
                 events.append(done_event(job, d.result, index, n, self.worker_id))
             if events and not self._publish(jid, events):  # retried through outages, idempotent
                 run.lost = True  # reaped and handed on: stop decoding it here
+            elif sent:
+                self._sent(d.request_id, sent)
             if d.result is not None:
                 self._seq.pop(d.request_id, None)
+                self._last_token_at.pop(d.request_id, None)
             if run.lost:
                 self._end_lost(run)
             elif d.result is not None:
@@ -200,6 +211,7 @@ class ContinuousWorker(Worker):
             return
         for rid in run.request_ids:
             self.pool.cancel(rid)
+            self._last_token_at.pop(rid, None)
         self._q(self.queue.finish, self.worker_id, run.job.id, "failed")
         self._stream_len.pop(run.job.id, None)
         self.jobs_done += 1

@@ -2,15 +2,24 @@
 
 `delta` (new token ids and text, logprobs when asked), `done` (finish reason, usage, telemetry)
 and the `error` of a resumed job whose retry diverged; `published_state` reads back what earlier
-attempts of a job already published (resuming after a lost worker).
+attempts of a job already published (resuming after a lost worker). `default_worker_id` names a
+worker (the `worker` of its `done` events).
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.queue.base import Job
+
+
+def default_worker_id() -> str:
+    """A worker's name in the queue, its events and its metrics when none is given: host-pid-random."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 @dataclass
