@@ -356,8 +356,9 @@ def serve(
         from cotserve.gateway.auth import check_bind, load_keys
 
         check_bind(host, load_keys(api_key_file), insecure)  # before anything slow is loaded
-        from cotserve.gateway.server import EngineArgs, ServeArgs, run_serve
+        from cotserve.gateway.server import ServeArgs, run_serve
         from cotserve.policies.registry import parse_options
+        from cotserve.worker.main import EngineArgs
 
         if max_queue < 1:
             raise CotserveError("--max-queue must be at least 1")
@@ -401,6 +402,12 @@ def worker(
     worker_id: Annotated[str | None, typer.Option(help="Name in the queue (default: host-pid-random).")] = None,
     heartbeat: Annotated[float, typer.Option(help="Heartbeat period in seconds; a worker silent for 5 periods "
                                              "loses its jobs to the others.")] = 1.0,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Serve the worker's Prometheus metrics on http://METRICS_HOST:PORT/metrics (default: off).")] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address the metrics port listens on (0.0.0.0: every "
+                                              "interface).")] = "127.0.0.1",
+    stats_interval: Annotated[float, typer.Option(help="Seconds between the worker's stats log lines (requests "
+                                                  "running and finished, tokens, tok/s); 0 = none.")] = 10.0,
     threads: ThreadsOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -413,17 +420,22 @@ def worker(
 ) -> None:
     """Decode jobs from a Redis queue (run as many as wanted next to `serve --redis-url`)."""
     try:
-        from cotserve.gateway.server import EngineArgs, run_worker
+        from cotserve.worker.main import EngineArgs, run_worker
 
         _check_scheduler(scheduler, prefill_chunk)
         max_batch = _max_batch(max_batch, scheduler, engine)
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise CotserveError("--metrics-port must be a port number (0 to 65535)")
+        if stats_interval < 0:
+            raise CotserveError("--stats-interval must be at least 0")
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                                      max_wait=batch_wait, threads=threads, engine=engine,
                                                      scheduler=scheduler, prefill_chunk=prefill_chunk,
                                                      vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
                                                                                 gpu_memory_utilization, max_num_seqs,
                                                                                 enforce_eager)),
-                   worker_id=worker_id, heartbeat_s=heartbeat)
+                   worker_id=worker_id, heartbeat_s=heartbeat, metrics_port=metrics_port, metrics_host=metrics_host,
+                   stats_s=stats_interval)
     except CotserveError as exc:
         fail(str(exc))
 

@@ -157,8 +157,11 @@ class Stack:
         self.servers = []
 
     def gateway(self, tiny_dir, **serve_opts) -> str:
+        from support import ServerThread
+
         from cotserve.gateway.app import PromptBuilder, create_app
-        from cotserve.gateway.server import EngineArgs, ServeArgs, ServerThread, gateway_settings
+        from cotserve.gateway.server import ServeArgs, gateway_settings
+        from cotserve.worker import EngineArgs
 
         args = ServeArgs(served_model_name=MODEL, **serve_opts)
         prompts = PromptBuilder.from_model(str(tiny_dir), args.max_model_len)
@@ -437,7 +440,8 @@ def test_logprobs_match_the_engine(stack):
 def test_generation_config_and_context_defaults(stack, tiny_dir):
     from cotserve.errors import CotserveError
     from cotserve.gateway.app import PromptBuilder
-    from cotserve.gateway.server import EngineArgs, ServeArgs, gateway_settings
+    from cotserve.gateway.server import ServeArgs, gateway_settings
+    from cotserve.worker import EngineArgs
 
     v = httpx.get(stack.urls["plain"] + "/version").json()
     assert v["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": None}
@@ -495,7 +499,7 @@ def test_template_without_tools_gets_the_fallback(engine):
 
 def test_cotserve_serve_command(tiny_dir, tmp_path):
     """The real command: parsers and limits from its options, tools rendered, completions served."""
-    from cotserve.gateway.server import free_port
+    from support import free_port
 
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

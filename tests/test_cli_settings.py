@@ -1,6 +1,6 @@
 """Every serve/worker option from the environment (COTSERVE_<COMMAND>_<OPTION>) or from a YAML
-file (`cotserve --config FILE`), checked through the refusal to bind publicly without a key, which
-the CLI makes before anything loads."""
+file (`cotserve --config FILE`), checked through refusals the CLI makes before anything loads:
+`serve` binding publicly without a key, `worker` given a metrics port out of range."""
 
 from __future__ import annotations
 
@@ -40,3 +40,16 @@ def test_a_bad_config_file_is_one_clear_error(tmp_path):
     listed.write_text("- 1\n- 2\n")
     proc = _cli("--config", str(listed), "serve")
     assert proc.returncode == 2 and "expected a mapping" in proc.stderr
+
+
+def test_worker_metrics_port_from_the_environment_or_a_config_file(tmp_path):
+    refusal = "--metrics-port must be a port number"
+    args = ("worker", "--redis-url", "redis://127.0.0.1:1/0")  # refused before Redis is reached
+    proc = _cli(*args, env={"COTSERVE_WORKER_METRICS_PORT": "70000"})
+    assert proc.returncode == 2 and refusal in proc.stderr and "Traceback" not in proc.stderr
+    cfg = tmp_path / "cotserve.yaml"
+    cfg.write_text("worker:\n  metrics-port: -1\n")
+    proc = _cli("--config", str(cfg), *args)
+    assert proc.returncode == 2 and refusal in proc.stderr
+    proc = _cli(*args, "--stats-interval", "-1")
+    assert proc.returncode == 2 and "--stats-interval must be at least 0" in proc.stderr

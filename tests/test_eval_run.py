@@ -345,8 +345,9 @@ def test_cli_runs_a_custom_suite_and_resumes(tmp_path):
 @pytest.fixture(scope="module")
 def gateway(engine):
     """cotserve's gateway + in-process queue + a worker on the bundled engine."""
+    from support import ServerThread
+
     from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-    from cotserve.gateway.server import ServerThread
     from cotserve.queue import InProcessQueue
     from cotserve.worker import Worker
 

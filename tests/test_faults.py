@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from support import ServerThread, free_port
 
 from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-from cotserve.gateway.server import ServerThread, free_port
 from cotserve.worker import Worker
 
 MODEL = "smollm2-135m-instruct"

@@ -9,11 +9,11 @@ import time
 
 import httpx
 import pytest
+from support import ServerThread
 
 from cotserve.engine.native import GenRequest
 from cotserve.engine.sampling import SamplingParams
 from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-from cotserve.gateway.server import ServerThread
 from cotserve.queue import InProcessQueue
 from cotserve.worker import Worker
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import ServerThread
 
 import cotserve
 from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-from cotserve.gateway.server import ServerThread
 from cotserve.policies.options import POLICIES, RENAMED, validate_spec
 from cotserve.queue import InProcessQueue
 from cotserve.worker import Worker

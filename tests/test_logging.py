@@ -1,4 +1,6 @@
-"""Logging: one configuration for cotserve and uvicorn, the CLI's switches, one line per request."""
+"""Logging: one configuration for cotserve and uvicorn, the CLI's switches, one line per request,
+the worker's periodic stats line (both schedulers; `cotserve worker` processes in
+test_worker_metrics.py)."""
 
 from __future__ import annotations
 
@@ -112,3 +114,49 @@ def test_one_line_per_finished_request(engine, caplog):
         assert f"request_id={job.id}" in r.getMessage() and f"generated_tokens={n}" in r.getMessage()
     failed = by_id[bad.id]
     assert failed.finish_reason == "error" and failed.status == 400 and failed.generated_tokens == 0
+
+
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_request_lines_and_stats_lines_of_both_schedulers(engine, caplog, scheduler):
+    import time
+
+    from cotserve.queue import InProcessQueue, Job
+    from cotserve.worker import make_worker
+
+    queue = InProcessQueue()
+    prompt = engine.encode_prompt("Count from one to five.")
+    jobs = [Job(prompt_ids=prompt, sampling={"max_tokens": n, "temperature": 0.0, "ignore_eos": True}) for n in (3, 5)]
+    for job in jobs:
+        asyncio.run(queue.submit(job, 100))
+    wid = f"w-{scheduler}"
+    worker = make_worker(engine, queue, scheduler, worker_id=wid, max_batch=4, max_wait=0.0, heartbeat_s=0.05,
+                         stats_s=0.1)
+    assert worker.scheduler == scheduler
+
+    def lines(name: str, prefix: str = "") -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == name and r.getMessage().startswith(prefix)]
+
+    with caplog.at_level(logging.INFO, logger="cotserve"):
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        try:
+            deadline = time.time() + 300
+            while not (lines("cotserve.worker", "stats ") and lines("cotserve.worker", "stats ")[-1].requests_total == 2):
+                assert time.time() < deadline and thread.is_alive()
+                time.sleep(0.05)
+            counted = len(lines("cotserve.worker", "stats "))
+            time.sleep(0.5)  # idle: no further stats lines
+            assert len(lines("cotserve.worker", "stats ")) == counted
+        finally:
+            worker.stop()
+            thread.join(timeout=60)
+    requests = {r.request_id: r for r in lines("cotserve.requests")}
+    assert set(requests) == {j.id for j in jobs}
+    for job, n in zip(jobs, (3, 5), strict=True):
+        r = requests[job.id]
+        assert r.worker == wid and r.generated_tokens == n and r.finish_reason == "length" and r.ttft_s > 0
+    stats = lines("cotserve.worker", "stats ")
+    assert all(r.worker == wid and r.scheduler == scheduler for r in stats)
+    assert sum(r.generated_tokens for r in stats) == 8 and sum(r.finished for r in stats) == 2
+    assert all(r.finished or r.generated_tokens or r.running for r in stats)
+    assert f"worker={wid} scheduler={scheduler}" in stats[0].getMessage()

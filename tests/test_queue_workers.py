@@ -17,11 +17,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import ServerThread
 
 from cotserve.engine.native import GenRequest
 from cotserve.engine.sampling import SamplingParams
 from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-from cotserve.gateway.server import ServerThread
 
 REDIS_URL = "redis://127.0.0.1:6379/5"
 MODEL = "smollm2-135m-instruct"

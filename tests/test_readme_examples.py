@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import ServerThread
 
 from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-from cotserve.gateway.server import ServerThread
 from cotserve.queue import InProcessQueue
 from cotserve.worker import Worker
 

@@ -89,8 +89,7 @@ def test_unsupported_policy_is_refused(vllm_tokens):
 
 def test_serve_engine_vllm_with_openai_sdk(tmp_path):
     from openai import OpenAI
-
-    from cotserve.gateway.server import free_port
+    from support import free_port
 
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")

@@ -1,4 +1,4 @@
-"""The continuous worker (`cotserve/worker_continuous.py`) on a real Redis queue and the bundled
+"""The continuous worker (`cotserve/worker/continuous.py`) on a real Redis queue and the bundled
 model: a job claimed while another decodes joins at once and finishes first; a cancelled job's
 slot goes to the next job at the next step; `--scheduler` picks the loop."""
 
@@ -13,8 +13,7 @@ from cotserve.engine.native import GenRequest
 from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError
 from cotserve.queue import Job
-from cotserve.worker import Worker
-from cotserve.worker_continuous import ContinuousWorker, make_worker
+from cotserve.worker import ContinuousWorker, Worker, make_worker
 
 REDIS_URL = "redis://127.0.0.1:6379/5"
 
@@ -107,10 +106,10 @@ def test_embedded_server_with_the_continuous_worker_streams_and_bench_reports_it
     import threading
 
     import httpx
+    from support import ServerThread
 
     from cotserve.bench.serve import run_serve_bench
     from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
-    from cotserve.gateway.server import ServerThread
     from cotserve.queue import InProcessQueue
 
     q = InProcessQueue()

@@ -5,7 +5,8 @@ meaning is the same, vLLM's names with a `model_name` label (`vllm:time_to_first
 `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:request_prompt_tokens`,
 `vllm:request_generation_tokens`, `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`,
 `vllm:request_success_total`, `vllm:num_requests_running`, `vllm:num_requests_waiting`), so a
-dashboard built for vLLM's server works on cotserve's gateway."""
+dashboard built for vLLM's server works on cotserve's gateway. The buckets and the ratio keys are
+the worker's (`cotserve/worker/metrics.py`, what `cotserve worker --metrics-port` serves)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
-# chains of thought run long: token lengths up to the longest contexts served
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-# telemetry keys in [0, 1] whose distribution per policy is worth a histogram
-RATIO_KEYS = ("retained_ratio", "sfi_retained_ratio", "sfi_slow_step_ratio", "sinkrouter_skip_ratio",
-              "padding_fraction")
+from cotserve.worker.metrics import (
+    ITL_BUCKETS,
+    LATENCY_BUCKETS,
+    RATIO_BUCKETS,
+    RATIO_KEYS,
+    TOK_S_BUCKETS,
+    TOKEN_BUCKETS,
+)
 
 
 class Metrics:
@@ -50,7 +51,7 @@ class Metrics:
         self.gen_len = Histogram("cotserve_request_generation_tokens", "Generated tokens per request", ["policy"],
                                  registry=r, buckets=TOKEN_BUCKETS)
         self.decode_tok_s = Histogram("cotserve_decode_tokens_per_second", "Decode tok/s per request", ["policy"],
-                                      registry=r, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000))
+                                      registry=r, buckets=TOK_S_BUCKETS)
         self.ratios = Histogram("cotserve_policy_ratio", "Per-request ratios a policy reports (retained, "
                                 "slow-step, skip, padding)", ["policy", "key"], registry=r, buckets=RATIO_BUCKETS)
         self.telemetry = Gauge("cotserve_policy_telemetry", "Latest numeric telemetry value per policy and key",

@@ -23,12 +23,8 @@ one lease before it reaps anyone (every live worker renews its heartbeat and lea
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.engine.native import GenRequest, NativeEngine
@@ -36,6 +32,15 @@ from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError, PolicyError, RequestError, redact_paths
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue, QueueUnavailable
+from cotserve.worker.events import (
+    Resume,
+    default_worker_id,
+    delta_event,
+    diverged_error,
+    done_event,
+    published_state,
+)
+from cotserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("cotserve.worker")
 # One line per finished request (done, cancelled or failed); its fields also go to JSON logs.
@@ -45,84 +50,31 @@ request_log = logging.getLogger("cotserve.requests")
 HEARTBEAT_MISSES = 5
 
 
-@dataclass
-class _Resume:
-    """What earlier attempts already published for one job."""
-
-    ids: list[int] = field(default_factory=list)
-    text_len: int = 0
-    seen_ids: int = 0  # regenerated so far
-    seen_text: int = 0
-    failed: bool = False
-
-
-
-def diverged_error() -> dict[str, Any]:
-    """The error event of a resumed job whose retry produced tokens other than those published."""
-    return {"t": "error", "status": 500, "code": "worker_lost",
-            "message": "the worker running this request stopped mid-stream and the retry produced different "
-                       "tokens; retry the request"}
-
-
-def delta_event(ids: list[int], text: str, logprobs, index: int, n: int) -> dict[str, Any]:
-    """A `delta` event: new token ids and text, their logprobs when asked, the choice index when n > 1."""
-    ev: dict[str, Any] = {"t": "delta", "ids": ids, "text": text}
-    if logprobs is not None and ids:
-        ev["lp"] = _lp_event(logprobs[len(logprobs) - len(ids):])
-    if n > 1:
-        ev["i"] = index
-    return ev
-
-
-def done_event(job: Job, res, index: int, n: int, worker_id: str) -> dict[str, Any]:
-    """A sequence's `done` event: finish reason, usage and telemetry (with the queue wait, the
-    attempt and the worker)."""
-    tele = dict(res.telemetry)
-    tele["queue_wait_s"] = round(max(0.0, job.claimed_at - job.created), 4)
-    tele["attempt"] = job.attempts
-    tele["worker"] = worker_id
-    done: dict[str, Any] = {"t": "done", "finish_reason": res.finish_reason,
-                            "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens},
-                            "telemetry": tele}
-    if n > 1:
-        done["i"] = index
-    return done
-
-def _published_state(events: list[dict[str, Any]], n: int = 1) -> tuple[_Resume, bool]:
-    """What was published for a job of `n` sequences; ended once all n are done (or on an error)."""
-    st = _Resume()
-    done = 0
-    ended = False
-    for e in events:
-        if e.get("t") == "delta":
-            st.ids.extend(e.get("ids", []))
-            st.text_len += len(e.get("text", ""))
-        elif e.get("t") == "done":
-            done += 1
-        elif e.get("t") == "error":
-            ended = True
-    return st, ended or done >= n
-
-
-def _lp_event(lps: list[tuple[float, list[tuple[int, float]]]]) -> list[list[Any]]:
-    """Logprobs as JSON: [[logprob, [[id, logprob], ...]], ...] per token."""
-    return [[round(lp, 6), [[i, round(v, 6)] for i, v in top]] for lp, top in lps]
-
-
 class Worker:
+    scheduler = "static"
+
     def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
-                 poll_s: float = 0.01, cancel_poll_s: float = 0.05, outage_s: float = 30.0):
+                 poll_s: float = 0.01, cancel_poll_s: float = 0.05, outage_s: float = 30.0,
+                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None):
         self.engine = engine
         self.queue = queue
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.worker_id = worker_id or default_worker_id()
         self.max_batch = max_batch or engine.max_batch
         self.max_wait = max_wait
         self.heartbeat_s = heartbeat_s
         self.poll_s = poll_s
         self.cancel_poll_s = cancel_poll_s
         self.outage_s = outage_s
+        self.stats_s = stats_s  # seconds between stats lines (0: none)
+        self.metrics = metrics or WorkerMetrics(self.worker_id)
+        self.metrics.track_running(lambda: len(self._running))
         self.stop_event = threading.Event()
+        self.requests_finished = 0  # done, cancelled or failed (one request line each)
+        self.tokens_generated = 0  # published
+        self._stats_at = time.monotonic()
+        self._stats_mark = (0, 0)  # (requests_finished, tokens_generated) at the last stats line
+        self._last_token_at: dict[str, float] = {}  # sequence (request id) -> when its last tokens went out
         self.jobs_done = 0
         self._last_reap = 0.0
         self._running: set[str] = set()  # job ids of the group being decoded (their leases are renewed)
@@ -191,6 +143,32 @@ class Worker:
                 log.warning("heartbeat failed: %s", exc)
             except Exception:
                 log.warning("heartbeat failed", exc_info=True)
+            if self.stats_s > 0 and time.monotonic() - self._stats_at >= self.stats_s:
+                self.log_stats()
+
+    def log_stats(self) -> None:
+        """One `cotserve.worker` line of what happened since the last one: requests running and
+        finished, tokens generated and their rate (nothing while the worker is idle)."""
+        now = time.monotonic()
+        span = max(now - self._stats_at, 1e-9)
+        finished = self.requests_finished - self._stats_mark[0]
+        tokens = self.tokens_generated - self._stats_mark[1]
+        running = len(self._running)
+        self._stats_at, self._stats_mark = now, (self.requests_finished, self.tokens_generated)
+        if not (finished or tokens or running):
+            return
+        fields = {"worker": self.worker_id, "scheduler": self.scheduler, "running": running, "finished": finished,
+                  "generated_tokens": tokens, "tok_s": round(tokens / span, 1), "interval_s": round(span, 1),
+                  "requests_total": self.requests_finished}
+        log.info("stats " + " ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)
+
+    def _sent(self, request_id: str, n: int) -> None:
+        """`n` tokens of one sequence published: counted, and their gap since its previous ones."""
+        now = time.monotonic()
+        last = self._last_token_at.get(request_id)
+        self._last_token_at[request_id] = now
+        self.tokens_generated += n
+        self.metrics.tokens(n, None if last is None else now - last)
 
     def run_once(self) -> int:
         """Reap (at most once per heartbeat period), claim one group and run it; returns its size."""
@@ -207,6 +185,7 @@ class Worker:
             finally:
                 self._running = set()
                 self._stream_len.clear()
+                self._last_token_at.clear()
         return len(jobs)
 
     # -- one group -------------------------------------------------------------------------
@@ -237,6 +216,9 @@ class Worker:
             "attempt": job.attempts, "worker": self.worker_id, **more,
         }
         request_log.info(" ".join(f"{k}={v}" for k, v in fields.items() if v is not None), extra=fields)
+        self.requests_finished += 1
+        self.metrics.finished(finish_reason, job.policy, fields["prompt_tokens"], generated_tokens,
+                              fields["ttft_s"], fields["queue_wait_s"], tele)
 
     def run_group(self, jobs: list[Job]) -> None:
         by_key: dict[str, list[Job]] = {}
@@ -275,7 +257,7 @@ class Worker:
 
     def _run_same_policy(self, jobs: list[Job], resume_all: bool = False) -> None:
         reqs: list[GenRequest] = []
-        resume: dict[str, _Resume] = {}
+        resume: dict[str, Resume] = {}
         live: dict[str, Job] = {}
         seq: dict[str, tuple[str, int, int]] = {}  # request id -> (job id, sequence index, n)
         left: dict[str, int] = {}  # job id -> sequences still running
@@ -291,7 +273,7 @@ class Worker:
             if job.attempts > 1 or resume_all:
                 published = self._q(self.queue.published, job.id)
                 self._stream_len[job.id] = len(published)
-                st, ended = _published_state(published, n)
+                st, ended = published_state(published, n)
                 if ended:  # the earlier worker finished it but died before acknowledging
                     self._q(self.queue.finish, self.worker_id, job.id)
                     continue
@@ -360,14 +342,20 @@ class Worker:
                     if st.failed:
                         events.append(diverged_error())
                         lost.add(jid)
+                sent = 0
                 if jid not in lost and (ids or text):
                     events.append(delta_event(ids, text, d.logprobs, index, n))
                     first_token_at.setdefault(jid, time.time())
+                    sent = len(ids)
                 if d.result is not None and jid not in lost:
                     events.append(done_event(job, d.result, index, n, self.worker_id))
                 if events and not self._publish(jid, events):
                     lost.add(jid)  # reaped and handed on: stop decoding it here
                     continue
+                if sent:
+                    self._sent(d.request_id, sent)
+                if d.result is not None:
+                    self._last_token_at.pop(d.request_id, None)
                 if jid in lost:
                     if left.pop(jid, None) is not None:
                         self._q(self.queue.finish, self.worker_id, jid, "failed")
@@ -381,7 +369,7 @@ class Worker:
                                           d.result.completion_tokens, first_token_at.get(jid), d.result.telemetry)
 
     @staticmethod
-    def _skip_published(st: _Resume, ids: list[int], text: str) -> tuple[list[int], str]:
+    def _skip_published(st: Resume, ids: list[int], text: str) -> tuple[list[int], str]:
         """Drop the part of a regenerated delta that an earlier attempt already published,
         checking the regenerated token ids against the published ones."""
         start = st.seen_ids

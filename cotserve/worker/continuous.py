@@ -7,7 +7,7 @@ for the static worker; with nothing running it lets a group fill for `--batch-wa
 sequences running it claims at once), submits them, runs one step and publishes that step's
 deltas. A cancelled job leaves the engine at the next step and its slot goes to the next job.
 Everything else (heart-beats, reaping, deadlines, resuming a job after a lost worker, `n`
-sequences per job, logprobs, request logs) follows the static worker (`cotserve/worker.py`).
+sequences per job, logprobs, request logs) follows the static worker (`worker/static.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError, RequestError
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue
-from cotserve.worker import Worker, _published_state, _Resume, delta_event, diverged_error, done_event
+from cotserve.worker.events import Resume, delta_event, diverged_error, done_event, published_state
+from cotserve.worker.metrics import WorkerMetrics
+from cotserve.worker.static import Worker
 
 log = logging.getLogger("cotserve.worker")
 
@@ -35,18 +37,22 @@ class _Running:
     job: Job
     n: int
     left: int
-    resume: _Resume | None = None
+    resume: Resume | None = None
     lost: bool = False
     first_token_at: float | None = None
     request_ids: list[str] = field(default_factory=list)
 
 
 class ContinuousWorker(Worker):
+    scheduler = "continuous"
+
     def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
-                 poll_s: float = 0.01, cancel_poll_s: float = 0.05, prefill_chunk: int = 256):
+                 poll_s: float = 0.01, cancel_poll_s: float = 0.05, prefill_chunk: int = 256,
+                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None):
         super().__init__(engine, queue, worker_id=worker_id, max_batch=max_batch, max_wait=max_wait,
-                         heartbeat_s=heartbeat_s, poll_s=poll_s, cancel_poll_s=cancel_poll_s)
+                         heartbeat_s=heartbeat_s, poll_s=poll_s, cancel_poll_s=cancel_poll_s, stats_s=stats_s,
+                         metrics=metrics)
         self.prefill_chunk = prefill_chunk
         self.pool = ContinuousEngine(engine, slots=self.max_batch, prefill_chunk=prefill_chunk)
         self._jobs: dict[str, _Running] = {}
@@ -80,6 +86,7 @@ class ContinuousWorker(Worker):
                 run = self._jobs.pop(jid)
                 self._error(run.job, 500, "server_error", f"the worker failed on this batch: {type(exc).__name__}: {exc}")
             self._seq.clear()
+            self._last_token_at.clear()
             self._running = set()
             self.pool = ContinuousEngine(self.engine, slots=self.max_batch, prefill_chunk=self.prefill_chunk)
             return claimed + 1
@@ -101,7 +108,7 @@ class ContinuousWorker(Worker):
         if job.attempts > 1:
             published = self._q(self.queue.published, job.id)
             self._stream_len[job.id] = len(published)
-            st, ended = _published_state(published, n)
+            st, ended = published_state(published, n)
             if ended:  # the earlier worker finished it but died before acknowledging
                 self._q(self.queue.finish, self.worker_id, job.id)
                 self._stream_len.pop(job.id, None)
@@ -169,16 +176,21 @@ class ContinuousWorker(Worker):
                 if st.failed:
                     events.append(diverged_error())
                     run.lost = True
+            sent = 0
             if not run.lost and (ids or text):
                 events.append(delta_event(ids, text, d.logprobs, index, n))
                 if run.first_token_at is None:
                     run.first_token_at = time.time()
+                sent = len(ids)
             if d.result is not None and not run.lost:
                 events.append(done_event(job, d.result, index, n, self.worker_id))
             if events and not self._publish(jid, events):  # retried through outages, idempotent
                 run.lost = True  # reaped and handed on: stop decoding it here
+            elif sent:
+                self._sent(d.request_id, sent)
             if d.result is not None:
                 self._seq.pop(d.request_id, None)
+                self._last_token_at.pop(d.request_id, None)
             if run.lost:
                 self._end_lost(run)
             elif d.result is not None:
@@ -199,6 +211,7 @@ class ContinuousWorker(Worker):
             return
         for rid in run.request_ids:
             self.pool.cancel(rid)
+            self._last_token_at.pop(rid, None)
         self._q(self.queue.finish, self.worker_id, run.job.id, "failed")
         self._stream_len.pop(run.job.id, None)
         self.jobs_done += 1

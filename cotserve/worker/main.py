@@ -1,0 +1,135 @@
+"""The worker's entry points: `cotserve worker` (a process serving a Redis queue) and the embedded
+worker thread of `cotserve serve` (no Redis: the gateway's in-process queue).
+
+Both build the engine from `EngineArgs` (cotserve's native engine, or vLLM with the cotserve
+plugin) and run the worker loop of `--scheduler` on it (`make_worker`). `cotserve worker
+--metrics-port` serves the worker's Prometheus metrics (`worker/metrics.py`) over HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from cotserve.errors import CotserveError
+
+log = logging.getLogger("cotserve.worker")
+
+
+@dataclass
+class EngineArgs:
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch: int = 8
+    max_wait: float = 0.02
+    threads: int | None = None
+    engine: str = "native"  # native | vllm
+    vllm_options: dict[str, Any] = field(default_factory=dict)  # VLLMOptions fields (--engine vllm)
+    scheduler: str = "continuous"  # continuous | static (worker/continuous.py, make_worker)
+    prefill_chunk: int = 256  # continuous: prompt tokens prefilled per engine step
+
+
+def make_engine(engine_args: EngineArgs):
+    """The worker's engine: cotserve's native engine, or vLLM with the cotserve plugin."""
+    if engine_args.engine == "vllm":
+        from cotserve.vllm.engine import VLLMEngine, VLLMOptions
+
+        return VLLMEngine(engine_args.model, device=engine_args.device, dtype=engine_args.dtype,
+                          max_batch=engine_args.max_batch, options=VLLMOptions(**engine_args.vllm_options))
+    if engine_args.engine != "native":
+        raise CotserveError(f"unknown engine {engine_args.engine!r} (native or vllm)")
+    from cotserve.engine.native import NativeEngine
+    from cotserve.models import load_model
+
+    return NativeEngine(load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype),
+                        max_batch=engine_args.max_batch)
+
+
+def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedded") -> threading.Thread:
+    """Load the model and serve `queue` from a daemon thread (the embedded default)."""
+
+    def run() -> None:
+        from cotserve.worker.continuous import make_worker
+
+        try:
+            engine = make_engine(engine_args)
+        except CotserveError as exc:
+            log.error("the worker cannot load its model: %s", exc)
+            return
+        make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, worker_id=worker_id,
+                    max_batch=engine_args.max_batch, max_wait=engine_args.max_wait).run()
+
+    t = threading.Thread(target=run, name="cotserve-worker", daemon=True)
+    t.start()
+    return t
+
+
+def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_id: str | None = None,
+               heartbeat_s: float = 1.0, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+               stats_s: float = 10.0) -> None:
+    """`cotserve worker`: serve the Redis queue at `redis_url` until SIGTERM or SIGINT; with
+    `metrics_port`, Prometheus text on http://metrics_host:metrics_port/metrics (from before the
+    model loads, so a taken port fails at once)."""
+    import signal
+
+    from cotserve.queue import make_queue
+    from cotserve.worker.continuous import make_worker
+    from cotserve.worker.events import default_worker_id
+    from cotserve.worker.metrics import WorkerMetrics
+
+    set_threads(engine_args.threads)
+    queue = make_queue(redis_url, prefix=key_prefix)
+    check_redis(queue, redis_url)
+    worker_id = worker_id or default_worker_id()
+    metrics = WorkerMetrics(worker_id)
+    server = None
+    if metrics_port is not None:
+        server = serve_metrics(metrics, metrics_host, metrics_port)
+    try:
+        engine = make_engine(engine_args)
+        worker = make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, worker_id=worker_id,
+                             max_batch=engine_args.max_batch, max_wait=engine_args.max_wait,
+                             heartbeat_s=heartbeat_s, stats_s=stats_s, metrics=metrics)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: worker.stop())
+        log.info("worker %s serving %s from %s (prefix %r, %s scheduler)", worker.worker_id, engine_args.model,
+                 redis_url, key_prefix, worker.scheduler)
+        worker.run()
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def serve_metrics(metrics, host: str, port: int):
+    """Serve `metrics`' registry as Prometheus text on http://host:port/metrics from a daemon
+    thread; returns the server (its `shutdown()` stops it)."""
+    from prometheus_client import start_http_server
+
+    try:
+        server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as exc:
+        raise CotserveError(f"cannot serve worker metrics on {host}:{port}: {exc}") from exc
+    log.info("worker metrics on http://%s:%d/metrics", host, server.server_port)
+    return server
+
+
+def check_redis(queue, url: str) -> None:
+    """Fail with a message now when the Redis queue does not answer."""
+    import redis
+
+    try:
+        queue.r.ping()
+    except redis.RedisError as exc:
+        raise CotserveError(f"cannot reach Redis at {url}: {exc}") from exc
+
+
+def set_threads(n: int | None) -> None:
+    """torch's intra-op threads (None: torch's default)."""
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
