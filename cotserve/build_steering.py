@@ -43,6 +43,7 @@ import torch
 
 import cotserve
 from cotserve.errors import CotserveError
+from cotserve.jsonl import numbered_jsonl
 from cotserve.policies.steering import ThoughtFollower, save_vector, vector_path
 from cotserve.policies.thoughts import (  # noqa: F401 (load_rules: this module's public name too)
     DEFAULT_RULES,
@@ -142,17 +143,10 @@ def read_problems(path: Path) -> list[str]:
     if not path.is_file():
         raise CotserveError(f"data file {path} does not exist")
     problems = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CotserveError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict) or not isinstance(row.get("problem"), str):
-                raise CotserveError(f"{path}:{n}: each line needs a string field 'problem'")
-            problems.append(row["problem"])
+    for n, row in numbered_jsonl(path):
+        if not isinstance(row.get("problem"), str):
+            raise CotserveError(f"{path}:{n}: each line needs a string field 'problem'")
+        problems.append(row["problem"])
     if not problems:
         raise CotserveError(f"data file {path} holds no problems")
     return problems

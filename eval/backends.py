@@ -5,7 +5,7 @@ they finish, so the runner can log each one at once (the resume log).
 
 - `LocalBackend`: `NativeEngine.generate` per batch; jobs are sorted by prompt length first and
   cut into batches of the engine's `max_batch`, so each batch holds neighbours in length
-  (length-sorted grouping, as the engine and SkipKV Sec. 4.3 do).
+  (`cotserve.grouping.length_groups`, as the engine does; SkipKV Sec. 4.3).
 - `EndpointBackend`: the openai SDK, one request per job from a thread pool of `concurrency`:
   a chat completion (`api="chat"`, the prompt as the user message) or a text completion
   (`api="completions"`, `/v1/completions` with the prompt as raw text, no chat template; the
@@ -27,6 +27,7 @@ from typing import Any
 
 from cotserve.engine.textproc import split_reasoning
 from cotserve.errors import CotserveError
+from cotserve.grouping import length_groups
 
 
 @dataclass
@@ -84,14 +85,11 @@ class LocalBackend:
     def run(self, jobs: list[Job]) -> Iterator[Output]:
         eng = self.engine
         t_queued = time.time()  # every job enters the queue now; its wait ends when its batch starts
-        groups: dict[str, list[tuple[Job, list[int]]]] = {}
-        for j in jobs:  # one batch runs one policy variant
-            key = json.dumps([j.policy, j.options], sort_keys=True, default=str)
-            groups.setdefault(key, []).append((j, eng.encode_prompt(j.prompt)))
-        for members in groups.values():
-            members.sort(key=lambda e: len(e[1]))  # neighbours in prompt length share a batch
-            for start in range(0, len(members), eng.max_batch):
-                yield from self._batch(members[start : start + eng.max_batch], t_queued)
+        encoded = [(j, eng.encode_prompt(j.prompt)) for j in jobs]
+        # one batch runs one policy variant; neighbours in prompt length share a batch
+        for batch in length_groups(encoded, lambda e: len(e[1]), eng.max_batch,
+                                   key=lambda e: json.dumps([e[0].policy, e[0].options], sort_keys=True, default=str)):
+            yield from self._batch(batch, t_queued)
 
     def _batch(self, batch: list[tuple[Job, list[int]]], t_queued: float) -> Iterator[Output]:
         """One engine batch, streamed: each reply is yielded the step it finishes, with its own

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cotserve.errors import CotserveError
+from cotserve.jsonl import numbered_jsonl, read_jsonl
 
 LETTERS = "ABCD"
 
@@ -147,20 +148,6 @@ KINDS = ("math", "gsm8k", "gpqa", "code", "exact")
 
 # -- readers --------------------------------------------------------------------------------------
 
-def read_jsonl(path: Path) -> Iterable[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CotserveError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise CotserveError(f"{path}:{n}: expected a JSON object per line")
-            yield row
-
-
 def load_hf_rows(name: str, config: str | None, split: str) -> Iterable[dict[str, Any]]:
     """Rows of a Hugging Face dataset (needs the `datasets` package and a network or HF cache)."""
     try:
@@ -284,11 +271,11 @@ def _load_custom(ref: SuiteRef) -> list[Item]:
     if not ref.path.is_file():
         raise CotserveError(f"custom suite file {ref.path} does not exist")
     items = []
-    for i, row in enumerate(read_jsonl(ref.path)):
+    for i, (line, row) in enumerate(numbered_jsonl(ref.path)):
         needed = (ref.question_field,) if ref.kind == "code" else (ref.question_field, ref.answer_field)
         for fld in needed:  # code items are judged by their tests: no answer field
             if fld not in row:
-                raise CotserveError(f"{ref.path}: line {i + 1} has no field {fld!r} (fields: {', '.join(row)})")
+                raise CotserveError(f"{ref.path}: line {line} has no field {fld!r} (fields: {', '.join(row)})")
         answer = row.get(ref.answer_field, "")
         rid = str(row.get(ref.id_field, i))
         if ref.kind == "gsm8k":

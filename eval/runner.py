@@ -26,6 +26,7 @@ from cotserve.eval.graders import GRADER_VERSION, grade
 from cotserve.eval.loaders import Item, SuiteRef, load_suite
 from cotserve.eval.prompts import build_prompt
 from cotserve.eval.sandbox import Limits
+from cotserve.jsonl import close_last_line, read_jsonl
 
 PREDICTIONS = "predictions.jsonl"
 RUN_CONFIG = "run_config.json"
@@ -143,18 +144,23 @@ def read_log(path: Path) -> dict[tuple[str, str, str, int], dict[str, Any]]:
     done: dict[tuple[str, str, str, int], dict[str, Any]] = {}
     if not path.is_file():
         return done
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-                key = (rec["suite"], rec["policy"], str(rec["id"]), int(rec["sample"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue
-            if rec.get("error"):
-                done.pop(key, None)
-            else:
-                done[key] = rec
+    for rec in read_jsonl(path, torn_tail=True):
+        key = _key(rec)
+        if key is None:
+            continue
+        if rec.get("error"):
+            done.pop(key, None)
+        else:
+            done[key] = rec
     return done
+
+
+def _key(rec: dict[str, Any]) -> tuple[str, str, str, int] | None:
+    """(suite, variant, item id, sample) of a log record; None for a record without them."""
+    try:
+        return (rec["suite"], rec["policy"], str(rec["id"]), int(rec["sample"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _check_config(out: Path, backend_desc: dict[str, Any], cfg: EvalConfig) -> dict[str, Any]:
@@ -202,8 +208,9 @@ def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
     _check_config(cfg.out, backend.describe(), cfg)
     done = read_log(log_path)
 
+    if log_path.is_file():
+        close_last_line(log_path)  # drop a torn last line: appended records start on a line of their own
     with open(log_path, "a", encoding="utf-8") as log:
-        _ensure_newline(log_path, log)
         _regrade(suites, done, log, cfg.code_limits)
         try:
             if not cfg.report_only:
@@ -328,29 +335,14 @@ def _record(item: Item, v: Variant, out: Output, limits: Limits, run_id: str = "
 def _errors(log_path: Path, wanted: set, done: dict) -> dict[tuple[str, str], int]:
     """Keys whose latest attempt failed and that never succeeded, counted per (suite, variant)."""
     failed: dict[tuple[str, str, str, int], str] = {}
-    with open(log_path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-                key = (rec["suite"], rec["policy"], str(rec["id"]), int(rec["sample"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue
-            if rec.get("error") and key in wanted and key not in done:
-                failed[key] = rec["error"]
+    for rec in read_jsonl(log_path, torn_tail=True):
+        key = _key(rec)
+        if key is not None and rec.get("error") and key in wanted and key not in done:
+            failed[key] = rec["error"]
     counts: dict[tuple[str, str], int] = {}
     for (s, p, _, _) in failed:
         counts[(s, p)] = counts.get((s, p), 0) + 1
     return counts
-
-
-def _ensure_newline(path: Path, log) -> None:
-    """After an interrupted write the file may end mid-line: start the next record on a new line."""
-    if path.stat().st_size == 0:
-        return
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b"\n":
-            log.write("\n")
 
 
 def _bar(total: int, initial: int, desc: str, enabled: bool):

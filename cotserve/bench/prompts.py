@@ -8,7 +8,6 @@ from (`TextSource.describe`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 from cotserve.data import data_dir as find_data_dir
 from cotserve.errors import CotserveError
+from cotserve.jsonl import read_jsonl
 
 TEXT_FILE = "math_train.jsonl"
 
@@ -47,12 +47,10 @@ def long_prompts_with_source(tokenizer, context: int, batch: int, data_dir: str 
         raise CotserveError(f"no prompt text: {TEXT_FILE} not found (pass --data-dir or set COTSERVE_DATA_DIR; "
                             "--random-tokens runs on random tokens instead, for speed only)")
     ids: list[int] = []
-    with path.open() as f:
-        for line in f:
-            rec = json.loads(line)
-            ids.extend(tokenizer.encode(f"Problem: {rec['problem']}\nSolution: {rec['solution']}\n\n"))
-            if len(ids) >= need:
-                break
+    for rec in read_jsonl(path):
+        ids.extend(tokenizer.encode(f"Problem: {rec['problem']}\nSolution: {rec['solution']}\n\n"))
+        if len(ids) >= need:
+            break
     if len(ids) < need:
         raise CotserveError(f"{path} holds {len(ids)} tokens of text, fewer than the {need} asked for "
                             f"({batch} x {context}); use fewer or shorter prompts, or --random-tokens")

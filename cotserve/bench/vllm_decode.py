@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cotserve.errors import CotserveError
+from cotserve.jsonl import read_jsonl
 
 QWEN3_ARCH = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -88,7 +89,7 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
         for pol in policies:
             start = tele_path.stat().st_size
             res = _decode(engine, prompts, _params(SamplingParams, pol, opts, new_tokens + 1), f"{pol}-{ctx}-{bsz}")
-            tele = [json.loads(x) for x in tele_path.read_text()[start:].splitlines() if x.strip()]
+            tele = list(read_jsonl(tele_path, start=start))
             row = {"policy": pol, "context": ctx, "batch": bsz, "new_tokens": new_tokens, **res,
                    "engine": "vllm" + ("" if plugin else " (stock, no plugin)")}
             tele = [t for t in tele if t.get("tag", "").startswith(f"{pol}-{ctx}-{bsz}")] or tele

@@ -22,6 +22,7 @@ from cotserve.engine.decoder import LeanDecoder, route_attention
 from cotserve.engine.sampling import SamplingParams, sample_next, token_logprobs
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher, encode_chat
 from cotserve.errors import RequestError
+from cotserve.grouping import length_groups
 from cotserve.models import LoadedModel
 from cotserve.policies.base import PolicyStack
 from cotserve.policies.registry import build_policy
@@ -465,10 +466,10 @@ class _DecodeGraph:
 
 
 def group_by_length(requests: list[GenRequest], max_batch: int) -> list[list[GenRequest]]:
-    """Length-sorted batch grouping (SkipKV, Sec. 4.3): neighbours in prompt length share a batch,
-    so right-padding in prefill and ragged cache lengths in decode stay small."""
-    order = sorted(requests, key=lambda r: len(r.prompt_ids))
-    return [order[i : i + max_batch] for i in range(0, len(order), max_batch)]
+    """Length-sorted batch grouping (SkipKV, Sec. 4.3, `cotserve.grouping.length_groups`): neighbours
+    in prompt length share a batch, so right-padding in prefill and ragged cache lengths in decode
+    stay small."""
+    return length_groups(requests, lambda r: len(r.prompt_ids), max_batch)
 
 
 def shared_prefill_rows(requests: list[GenRequest]) -> list[int] | None:

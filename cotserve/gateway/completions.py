@@ -20,8 +20,11 @@ from fastapi.responses import JSONResponse
 
 from cotserve import __version__
 from cotserve.gateway.errors import APIError
+from cotserve.gateway.jobs import JobFactory
 from cotserve.gateway.metrics import Metrics
 from cotserve.gateway.output import TokenText, completion_logprobs
+from cotserve.gateway.relay import JobRelay
+from cotserve.gateway.responses import telemetry_of, usage_of
 from cotserve.gateway.schemas import CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -35,16 +38,8 @@ class Runtime:
     prompts: Any
     metrics: Metrics
     auth: Callable
-    submit: Callable
-    check_model: Callable
-    policy_of: Callable
-    sampling_of: Callable
-    new_job: Callable
-    collect: Callable
-    events: Callable
-    guard: Callable
-    usage_of: Callable
-    telemetry_of: Callable
+    jobs: JobFactory  # request -> job
+    relay: JobRelay  # job <-> queue
     token_text: TokenText
     err_responses: dict
     sse: type  # the SSE response class
@@ -83,7 +78,7 @@ def install(app: FastAPI, rt: Runtime) -> None:
     @app.post("/tokenize", dependencies=[Depends(rt.auth)], responses=rt.err_responses)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         """Token ids of a raw `prompt`, or of chat `messages` through the chat template (as vLLM)."""
-        rt.check_model(body.model)
+        rt.jobs.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt", code="invalid_value")
         if body.prompt is not None:
@@ -112,7 +107,7 @@ def install(app: FastAPI, rt: Runtime) -> None:
     @app.post("/detokenize", dependencies=[Depends(rt.auth)], responses=rt.err_responses)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         """Text of token ids."""
-        rt.check_model(body.model)
+        rt.jobs.check_model(body.model)
         vocab = len(tok)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -124,7 +119,7 @@ def install(app: FastAPI, rt: Runtime) -> None:
               responses={**rt.err_responses, 200: {"content": {"text/event-stream": {}},
                                                    "description": "JSON, or SSE chunks when stream is true"}})
     async def completion(body: CompletionRequest, request: Request):
-        rt.check_model(body.model)
+        rt.jobs.check_model(body.model)
         for name, bad in (("echo", body.echo), ("suffix", body.suffix),
                           ("best_of", body.best_of is not None and body.best_of != (body.n or 1)),
                           ("tools", body.tools is not None), ("tool_choice", body.tool_choice is not None)):
@@ -132,11 +127,11 @@ def install(app: FastAPI, rt: Runtime) -> None:
                 where = " on /v1/completions (tools work on /v1/chat/completions)" if name.startswith("tool") else ""
                 raise APIError(400, f"{name} is not supported{where}", param=name, code="invalid_value")
         ids = prompt_ids(body, tok)
-        policy, options = rt.policy_of(body.cotserve)
-        sampling = rt.sampling_of(body, len(ids), body.max_tokens, "max_tokens", body.logprobs, "prompt")
-        job = rt.new_job(ids, sampling, policy, options, prefix="cmpl-")
+        policy, options = rt.jobs.policy_of(body.cotserve)
+        sampling = rt.jobs.sampling_of(body, len(ids), body.max_tokens, "max_tokens", body.logprobs, "prompt")
+        job = rt.jobs.new_job(ids, sampling, policy, options, prefix="cmpl-")
         n = sampling["n"]
-        await rt.submit(job)
+        await rt.relay.submit(job)
         if body.stream:
             metrics.requests.labels("200").inc()
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -157,7 +152,7 @@ def install(app: FastAPI, rt: Runtime) -> None:
                 else:
                     finish[i] = ev["finish_reason"]
 
-            dones, _ = await rt.collect(job, request, n, on_event)
+            dones, _ = await rt.relay.collect(job, request, n, on_event)
         finally:
             metrics.in_flight.dec()
         metrics.requests.labels("200").inc()
@@ -165,8 +160,8 @@ def install(app: FastAPI, rt: Runtime) -> None:
                     "logprobs": completion_logprobs(rt.token_text, ids_out[i], lps[i])
                     if body.logprobs is not None else None} for i in range(n)]
         return JSONResponse({"id": job.id, "object": "text_completion", "created": int(job.created),
-                             "model": settings.model_name, "choices": choices, "usage": rt.usage_of(dones),
-                             "system_fingerprint": None, "cotserve": rt.telemetry_of(dones)})
+                             "model": settings.model_name, "choices": choices, "usage": usage_of(dones),
+                             "system_fingerprint": None, "cotserve": telemetry_of(dones)})
 
     def _chunk(job, index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None,
                extra: dict[str, Any] | None = None) -> str:
@@ -182,9 +177,9 @@ def install(app: FastAPI, rt: Runtime) -> None:
         clock = metrics.clock()
         dones: list[dict[str, Any]] = []
         offsets = [0] * n
-        gen = rt.events(job, request, n)
+        gen = rt.relay.events(job, request, n)
         try:
-            async for ev in rt.guard(gen):
+            async for ev in rt.relay.guard(gen):
                 if ev["t"] == "ping":
                     yield ": keep-alive\n\n"
                     continue
@@ -210,8 +205,8 @@ def install(app: FastAPI, rt: Runtime) -> None:
                     clock.finish()
                     if include_usage:
                         obj = {"id": job.id, "object": "text_completion", "created": int(job.created),
-                               "model": settings.model_name, "choices": [], "usage": rt.usage_of(dones),
-                               "cotserve": rt.telemetry_of(dones)}
+                               "model": settings.model_name, "choices": [], "usage": usage_of(dones),
+                               "cotserve": telemetry_of(dones)}
                         yield f"data: {json.dumps(obj)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

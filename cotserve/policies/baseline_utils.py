@@ -7,16 +7,13 @@ Plain torch, written for clarity first; each piece has a reference test in tests
   per-head subset).
 * `causal_prefill_with_colsums`: causal prompt attention computed in query chunks that also returns
   the attention each key received (column sums over the real query rows), for H2O's accumulated score.
-* `evict_to`: physical eviction of one (layer, slot) through `KVCache.compact`, carrying per-entry
-  side tensors (H2O's scores) through the same permutation.
-* `EvictionStats`: the evicted/retained counters every eviction policy reports.
 * `refuse_overriding_parts`: a policy that must compute attention itself refuses a stack in which an
   earlier part (the stack asks read before evict) would answer that hook instead.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +22,6 @@ from cotserve.policies.base import Policy
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
-    from cotserve.engine.cache import KVCache
 
 
 def _mask4(valid: torch.Tensor, b: int, s: int) -> torch.Tensor:
@@ -99,44 +95,6 @@ def reduce_group(x: torch.Tensor, hkv: int, how: str) -> torch.Tensor:
     if how == "max":
         return xg.amax(2)
     raise ValueError(f"unknown group reduction {how!r} (mean, sum, max)")
-
-
-def evict_to(cache: KVCache, layer: int, slot: int, keep: torch.Tensor,
-             followers: list[torch.Tensor] | None = None) -> int:
-    """Physically keep entries `keep[kv_head, n]` of (layer, slot); return how many were dropped.
-
-    Each follower is a per-entry tensor [kv_head, capacity] of this (layer, slot) (e.g. H2O's
-    accumulated scores); it is permuted exactly like the cache (compact stores keep sorted) and its
-    tail is zeroed, so a score always belongs to the entry it was computed for."""
-    keep = keep.sort(dim=-1).values
-    cur = int(cache.lens[layer, slot])
-    n = keep.shape[-1]
-    cache.compact(layer, slot, keep)
-    for f in followers or []:
-        f[:, :n] = torch.gather(f[:, :cur], 1, keep)
-        f[:, n:] = 0
-    return cur - n
-
-
-class EvictionStats:
-    """Per-slot counters for the telemetry of eviction policies (layer 0 is representative: every
-    layer of a slot keeps the same number of entries)."""
-
-    def __init__(self, slots: int):
-        self.evicted = [0] * slots
-        self.compactions = [0] * slots
-
-    def record(self, slot: int, dropped: int) -> None:
-        self.evicted[slot] += dropped
-        self.compactions[slot] += 1
-
-    def report(self, batch: BatchState | None, slot: int) -> dict[str, Any]:
-        if batch is None:
-            return {}
-        kept = int(batch.cache.lens[0, slot])
-        seen = kept + self.evicted[slot]
-        return {"evicted_tokens": self.evicted[slot], "compactions": self.compactions[slot],
-                "retained_ratio": round(kept / seen, 4) if seen else 1.0}
 
 
 def refuse_overriding_parts(me: Policy, batch: BatchState, hooks: tuple[str, ...], answers: bool) -> None:

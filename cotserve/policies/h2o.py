@@ -16,27 +16,27 @@ Here, per KV head:
 * eviction keeps the last `recent` entries (recent = budget * recent_ratio) plus the budget - recent
   entries with the highest scores among the others; it runs when a slot holds budget + `interval`
   entries (`interval=1`, the default, is Algorithm 1's one-out-per-step greedy eviction; a larger value
-  evicts `interval` tokens at once by the same rule, fewer compactions). Scores move with their entries
-  through the compaction (`evict_to` followers).
+  evicts `interval` tokens at once by the same rule, fewer compactions). The accumulated scores are
+  the policy's score for `eviction.ScoredEviction` and move with their entries through the compaction
+  (its `followers`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from cotserve.policies.base import Axis, Policy, PolicyConfig
+from cotserve.policies.base import PolicyConfig
 from cotserve.policies.baseline_utils import (
-    EvictionStats,
     attend,
     causal_prefill_with_colsums,
     decode_probs,
-    evict_to,
     reduce_group,
     refuse_overriding_parts,
 )
+from cotserve.policies.eviction import ScoredEviction
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
@@ -70,41 +70,41 @@ class H2OConfig(PolicyConfig):
         return int(round(self.budget * self.recent_ratio))
 
 
-def h2o_keep(scores: torch.Tensor, length: int, budget: int, recent: int) -> torch.Tensor:
-    """Indices [kv_head, budget] kept out of `length` entries: the last `recent` plus the top
-    (budget - recent) of `scores[kv_head, :length - recent]`."""
-    heads = scores.shape[0]
-    recent = min(recent, budget)
-    tail = torch.arange(length - recent, length, device=scores.device).unsqueeze(0).expand(heads, -1)
-    heavy = scores[:, : length - recent].topk(budget - recent, dim=-1).indices
-    return torch.cat([heavy, tail], dim=-1)
-
-
 @register
-class H2OPolicy(Policy):
+class H2OPolicy(ScoredEviction):
     """Heavy-Hitter Oracle (Zhang et al. 2023): accumulated attention + recent, physical eviction."""
 
     name = "h2o"
-    axis = Axis.EVICT
     config_cls = H2OConfig
 
     def __init__(self, config: H2OConfig | None = None):
         super().__init__(config)
-        self.batch: BatchState | None = None
         self.scores: torch.Tensor | None = None  # [layer, slot, kv_head, capacity] float32
-        self.stats = EvictionStats(0)
         self._seen: set[int] = set()
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
         return max(max(prompt_lens), self.config.budget + self.config.interval) + 1
 
+    @property
+    def keep_last(self) -> int:
+        return self.config.recent
+
+    def threshold(self, batch: BatchState) -> int:
+        cfg: H2OConfig = self.config
+        return cfg.budget if batch.mode == "prefill" else cfg.budget + cfg.interval - 1
+
+    def score(self, batch: BatchState, layer: int, slot: int, n: int) -> torch.Tensor:
+        return self.scores[layer, slot, :, : n - min(self.keep_last, self.budget)]
+
+    def followers(self, layer: int, slot: int) -> list[torch.Tensor]:
+        return [self.scores[layer, slot]]
+
     def begin(self, batch: BatchState) -> None:
         refuse_overriding_parts(self, batch, ("prefill_attention", "decode_attention"), answers=True)
-        self.batch = batch
+        super().begin(batch)
         s = batch.cache.shape
         self.scores = torch.zeros(s.layers, s.slots, s.kv_heads, s.capacity, dtype=torch.float32,
                                   device=batch.cache.device)
-        self.stats = EvictionStats(s.slots)
 
     def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> torch.Tensor:
         out, colsum = causal_prefill_with_colsums(q, k, v, batch.prompt_lens, batch.scaling)
@@ -122,22 +122,7 @@ class H2OPolicy(Policy):
         self._seen.add(layer)
         return attend(probs, v)
 
-    def after_forward(self, batch: BatchState) -> None:
-        cfg: H2OConfig = self.config
-        cache = batch.cache
-        if len(self._seen) != cache.shape.layers:
+    def observe(self, batch: BatchState) -> None:
+        if len(self._seen) != batch.cache.shape.layers:
             raise RuntimeError("h2o did not see the attention of every layer")  # guarded in begin()
         self._seen.clear()
-        trigger = cfg.budget + 1 if batch.mode == "prefill" else cfg.budget + cfg.interval
-        for slot, length in enumerate(cache.lens[0].tolist()):
-            if length < trigger:
-                continue
-            dropped = 0
-            for layer in range(cache.shape.layers):
-                sc = self.scores[layer, slot]
-                keep = h2o_keep(sc, length, cfg.budget, cfg.recent)
-                dropped = evict_to(cache, layer, slot, keep, followers=[sc])
-            self.stats.record(slot, dropped)
-
-    def telemetry(self, slot: int) -> dict[str, Any]:
-        return self.stats.report(self.batch, slot)

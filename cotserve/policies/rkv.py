@@ -16,12 +16,16 @@ the public R-KV code's variants (see `scoring`); R-KV's code also defaults to si
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from cotserve.policies import scoring
 from cotserve.policies.eviction import BudgetEviction, EvictionConfig
 from cotserve.policies.registry import register
+
+if TYPE_CHECKING:
+    from cotserve.engine.batch import BatchState
 
 
 @dataclass
@@ -74,5 +78,6 @@ class RKVPolicy(BudgetEviction):
     name = "rkv"
     config_cls = RKVConfig
 
-    def score(self, batch, layer, slot, q, q_pos, k, pos):
+    def score(self, batch: BatchState, layer: int, slot: int, n: int) -> torch.Tensor:
+        q, q_pos, k, pos = self.observed(batch, layer, slot, n)
         return rkv_scores(q, q_pos, k, pos, batch.scaling, self.config)

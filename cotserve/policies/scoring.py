@@ -14,7 +14,9 @@ and `q_pos [w]`. Query heads are grouped onto KV heads as in GQA (`Hq = G * Hkv`
   highly similar copies exempted, averaged per key and softmax-normalised.
 * `mix_scores`: R-KV's joint score `lambda * importance - (1 - lambda) * redundancy` (Sec. 3.4);
   SkipKV calls the mixing weight sigma and subtracts its sentence penalty on top.
-* `select_keep`: the top `budget - w` candidates plus the `w` most recent entries per KV head.
+* `protected_top`: the selection rule of every eviction policy (`eviction.ScoredEviction`): protected
+  first and last entries plus the top-scored others; `select_keep`: its R-KV form (the top
+  `budget - w` candidates plus the `w` most recent entries per KV head).
 
 Where the public R-KV code (github.com/Zefan-Cai/R-KV, `compute_scores`/`cal_similarity`) differs
 from the paper's description, the paper's form is the default and the code's form an option:
@@ -149,11 +151,24 @@ def mix_scores(importance: torch.Tensor, redundancy: torch.Tensor, sigma: float)
     return sigma * importance - (1.0 - sigma) * redundancy
 
 
+def protected_top(scores: torch.Tensor | None, n: int, budget: int, first: int, last: int, heads: int,
+                  device: torch.device) -> torch.Tensor:
+    """The selection rule of every eviction policy: indices [heads, budget] kept out of `n` entries,
+    sorted. The `first` entries and the `last` entries are protected; the other `budget - first - last`
+    are the top candidates by `scores` ([heads, n - first - last], the entries first .. n - last - 1;
+    unused, and may be None, when nothing is left to choose)."""
+    last = min(last, budget - first)
+    chosen = budget - first - last
+    parts = [torch.arange(first, device=device).expand(heads, -1)]
+    if chosen > 0:
+        assert scores is not None
+        parts.append(scores.topk(min(chosen, scores.shape[-1]), dim=-1).indices + first)
+    parts.append(torch.arange(n - last, n, device=device).expand(heads, -1))
+    return torch.cat(parts, dim=-1).sort(dim=-1).values
+
+
 def select_keep(scores: torch.Tensor, budget: int, window: int) -> torch.Tensor:
     """Indices to keep per KV head, sorted: the top `budget - window` candidates by score (scores
     cover entries 0..m-1) plus the `window` most recent entries m..m+window-1. [Hkv, budget]."""
     hkv, m = scores.shape
-    top = scores.topk(min(budget - window, m), dim=-1).indices
-    recent = torch.arange(m, m + window, device=scores.device).expand(hkv, -1)
-    keep = torch.cat([top, recent], dim=-1)
-    return keep.sort(dim=-1).values
+    return protected_top(scores, m + window, budget, 0, window, hkv, scores.device)

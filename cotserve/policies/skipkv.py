@@ -28,13 +28,16 @@ way; on true text it hurts (docs/policies-paper-fidelity.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cotserve.policies.boundaries import thought_delimiter_ids
 from cotserve.policies.registry import register
 from cotserve.policies.rkv import RKVConfig, RKVPolicy, rkv_scores
+
+if TYPE_CHECKING:
+    from cotserve.engine.batch import BatchState
 
 
 @dataclass
@@ -173,7 +176,8 @@ class SkipKVPolicy(RKVPolicy):
             if active[i] and positions[i] == track.next_pos:
                 track.feed([batch.tokens[i][positions[i]]], hidden[i, -1:])
 
-    def score(self, batch, layer, slot, q, q_pos, k, pos):
+    def score(self, batch: BatchState, layer: int, slot: int, n: int) -> torch.Tensor:
+        q, q_pos, k, pos = self.observed(batch, layer, slot, n)
         base = rkv_scores(q, q_pos, k, pos, batch.scaling, self.config)
         m = base.shape[1]
         return base - self.sentences[slot].penalty_of(pos[:, :m])

@@ -15,20 +15,23 @@ Here, per slot and KV head:
 * pooling: `max` (default) or `avg` (zero padding counted, PyTorch's avg_pool1d default; the public
   SnapKV code defaults to avg pooling, Listing 1 leaves the operator generic);
 * a prompt of at most `budget` tokens is kept whole. The scores are computed inside prefill (the
-  prompt attention output itself is the engine's causal default), the compaction after the forward.
+  prompt attention output itself is the engine's causal default); the compaction after the forward
+  is `eviction.ScoredEviction`'s, with the window as its protected last entries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from cotserve.policies.base import Axis, Policy, PolicyConfig
-from cotserve.policies.baseline_utils import EvictionStats, evict_to, refuse_overriding_parts
+from cotserve.policies.base import PolicyConfig
+from cotserve.policies.baseline_utils import refuse_overriding_parts
+from cotserve.policies.eviction import ScoredEviction
 from cotserve.policies.registry import register
+from cotserve.policies.scoring import protected_top
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
@@ -79,59 +82,54 @@ def snapkv_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int,
 
 
 def snapkv_keep(pooled: torch.Tensor, length: int, budget: int, window: int) -> torch.Tensor:
-    """Indices [kv_head, budget]: top (budget - window) prefix keys by pooled score + the window."""
-    heads = pooled.shape[0]
-    top = pooled.topk(budget - window, dim=-1).indices
-    win = torch.arange(length - window, length, device=pooled.device).unsqueeze(0).expand(heads, -1)
-    return torch.cat([top, win], dim=-1)
+    """Indices [kv_head, budget], sorted: top (budget - window) prefix keys by pooled score + the window."""
+    return protected_top(pooled, length, budget, 0, window, pooled.shape[0], pooled.device)
 
 
 @register
-class SnapKVPolicy(Policy):
+class SnapKVPolicy(ScoredEviction):
     """SnapKV (Li et al. 2024): prompt compression once, after prefill."""
 
     name = "snapkv"
-    axis = Axis.EVICT
     config_cls = SnapKVConfig
 
     def __init__(self, config: SnapKVConfig | None = None):
         super().__init__(config)
-        self.batch: BatchState | None = None
-        self.stats = EvictionStats(0)
-        self._keep: dict[int, dict[int, torch.Tensor]] = {}  # layer -> slot -> keep [Hkv, budget]
+        self._pooled: dict[int, dict[int, torch.Tensor]] = {}  # layer -> slot -> scores [Hkv, L - window]
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
         # the prompt is written whole, then shrinks to budget; decoding only appends
         return max(max(prompt_lens), self.config.budget + max_new) + 1
 
+    @property
+    def keep_last(self) -> int:
+        return self.config.window
+
+    def threshold(self, batch: BatchState) -> int | None:
+        return self.config.budget if batch.mode == "prefill" else None
+
+    def score(self, batch: BatchState, layer: int, slot: int, n: int) -> torch.Tensor:
+        return self._pooled[layer][slot]
+
     def begin(self, batch: BatchState) -> None:
         refuse_overriding_parts(self, batch, ("prefill_attention",), answers=False)
-        self.batch = batch
-        self.stats = EvictionStats(batch.batch_size)
+        super().begin(batch)
 
     def prefill_attention(self, layer: int, q, k, v, batch: BatchState) -> None:
         cfg: SnapKVConfig = self.config
-        plan: dict[int, torch.Tensor] = {}
+        pooled: dict[int, torch.Tensor] = {}
         for slot, length in enumerate(batch.prompt_lens.tolist()):
             if length <= cfg.budget:
                 continue
-            pooled = snapkv_scores(q[slot, :, :length], k[slot, :, :length], batch.scaling, cfg.window,
-                                   cfg.pool_width, cfg.pooling, cfg.group_reduce)
-            plan[slot] = snapkv_keep(pooled, length, cfg.budget, cfg.window)
-        self._keep[layer] = plan
+            pooled[slot] = snapkv_scores(q[slot, :, :length], k[slot, :, :length], batch.scaling, cfg.window,
+                                         cfg.pool_width, cfg.pooling, cfg.group_reduce)
+        self._pooled[layer] = pooled
         return None  # the prompt attention itself is the engine's causal default
 
-    def after_forward(self, batch: BatchState) -> None:
-        if batch.mode != "prefill":
-            return
-        if len(self._keep) != batch.cache.shape.layers:
+    def observe(self, batch: BatchState) -> None:
+        if batch.mode == "prefill" and len(self._pooled) != batch.cache.shape.layers:
             raise RuntimeError("snapkv did not see the prompt queries of every layer")  # guarded in begin()
-        for layer, plan in self._keep.items():
-            for slot, keep in plan.items():
-                dropped = evict_to(batch.cache, layer, slot, keep)
-                if layer == 0:
-                    self.stats.record(slot, dropped)
-        self._keep.clear()
 
-    def telemetry(self, slot: int) -> dict[str, Any]:
-        return self.stats.report(self.batch, slot)
+    def after_forward(self, batch: BatchState) -> None:
+        super().after_forward(batch)
+        self._pooled.clear()

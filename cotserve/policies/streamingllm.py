@@ -9,6 +9,8 @@ is physically compacted to sinks + recent entries; during decoding a slot is com
 sinks + recent as soon as it holds sinks + recent + `interval` entries (`interval=1`, the default, is the
 paper's rolling cache: one token out per token in). So after any step a slot holds at most
 sinks + recent + interval - 1 entries, and a decode step attends over at most sinks + recent + interval.
+The compaction is `eviction.ScoredEviction`'s with the sinks and the recent window as its protected
+first and last entries and nothing left to choose by score.
 
 Deviation, stated: the paper re-assigns positions inside the cache (Sec. 3.2, "positions within the
 cache") so that text can stream past the pre-trained context; this engine keeps every entry's true
@@ -19,12 +21,12 @@ model's window (all of cotserve's benchmarks) the difference is the sinks' relat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from cotserve.policies.base import Axis, Policy, PolicyConfig
-from cotserve.policies.baseline_utils import EvictionStats, evict_to
+from cotserve.policies.base import PolicyConfig
+from cotserve.policies.eviction import ScoredEviction
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
@@ -62,47 +64,35 @@ class StreamingLLMConfig(PolicyConfig):
         return self.sinks + self.window
 
 
-def streaming_keep(length: int, sink: int, recent: int, kv_heads: int, device: torch.device) -> torch.Tensor:
-    """Indices [kv_head, sink + recent] kept out of `length` ordered entries: the first `sink`
-    and the last `recent` (the same for every head: the rule does not look at the content)."""
-    idx = torch.cat([torch.arange(sink, device=device), torch.arange(length - recent, length, device=device)])
-    return idx.unsqueeze(0).expand(kv_heads, -1)
-
-
 @register
-class StreamingLLMPolicy(Policy):
+class StreamingLLMPolicy(ScoredEviction):
     """Sink + recent window (Xiao et al. 2023); physical eviction, nothing scored."""
 
     name = "streamingllm"
-    axis = Axis.EVICT
     config_cls = StreamingLLMConfig
-
-    def __init__(self, config: StreamingLLMConfig | None = None):
-        super().__init__(config)
-        self.batch: BatchState | None = None
-        self.stats = EvictionStats(0)
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
         return max(max(prompt_lens), self.config.kept + self.config.interval) + 1
 
-    def begin(self, batch: BatchState) -> None:
-        self.batch = batch
-        self.stats = EvictionStats(batch.batch_size)
+    @property
+    def budget(self) -> int:
+        return self.config.kept
 
-    def after_forward(self, batch: BatchState) -> None:
+    @property
+    def keep_first(self) -> int:
+        return self.config.sinks
+
+    @property
+    def keep_last(self) -> int:
+        return self.config.window
+
+    def threshold(self, batch: BatchState) -> int:
+        # after prefill compact anything over the kept entries; during decoding wait for `interval` more
         cfg: StreamingLLMConfig = self.config
-        cache = batch.cache
-        # after prefill compact anything over budget; during decoding wait for `every` extra entries
-        trigger = cfg.kept + 1 if batch.mode == "prefill" else cfg.kept + cfg.interval
-        lens = cache.lens[0].tolist()
-        for slot, length in enumerate(lens):
-            if length < trigger:
-                continue
-            keep = streaming_keep(length, cfg.sinks, cfg.window, cache.shape.kv_heads, cache.device)
-            dropped = 0
-            for layer in range(cache.shape.layers):
-                dropped = evict_to(cache, layer, slot, keep)
-            self.stats.record(slot, dropped)
+        return cfg.kept if batch.mode == "prefill" else cfg.kept + cfg.interval - 1
 
-    def telemetry(self, slot: int) -> dict[str, Any]:
-        return self.stats.report(self.batch, slot)
+    def score(self, batch: BatchState, layer: int, slot: int, n: int) -> torch.Tensor:
+        """The rule does not look at the content: sinks and recent are the whole budget, so no
+        candidate is ever chosen (the base does not ask); every candidate scores the same."""
+        cache = batch.cache
+        return torch.zeros(cache.shape.kv_heads, n - self.keep_first - self.keep_last, device=cache.device)

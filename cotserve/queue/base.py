@@ -26,6 +26,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cotserve.grouping import closest_in_length
+
 
 class QueueFull(Exception):
     """The pending set is at its limit; the client should retry later."""
@@ -83,11 +85,10 @@ class Job:
 
 def pick_group(oldest: tuple[str, int], others: list[tuple[str, int]], max_batch: int) -> list[str]:
     """The oldest job plus up to max_batch-1 of `others` closest to it in prompt length
-    (ties go to the shorter one). `others` are (id, length) pairs of the same policy key.
-    Plain-Python twin of the Redis claim script, used by the in-process queue and the tests."""
-    _, length = oldest
-    ranked = sorted(others, key=lambda o: (abs(o[1] - length), o[1] > length, o[1]))
-    return [oldest[0]] + [jid for jid, _ in ranked[: max(0, max_batch - 1)]]
+    (ties go to the shorter one; `cotserve.grouping.closest_in_length`). `others` are (id, length)
+    pairs of the same policy key. Plain-Python twin of the Redis claim script, used by the
+    in-process queue and the tests."""
+    return closest_in_length(oldest, others, max_batch)
 
 
 class JobQueue(abc.ABC):
