@@ -267,13 +267,16 @@ class SFIPolicy(Policy):
         lt = torch.tensor(layers, device=idx.device)
         row0 = ((lt.view(-1, 1) * slots + b) * heads + torch.arange(h, device=idx.device)) * cap  # [l, H]
         flat = (keys + row0.unsqueeze(-1)).view(-1)
-        kk = torch.index_select(cache.k.view(-1, d), 0, flat).view(nl, h, m, d)
         vv = torch.index_select(cache.v.view(-1, d), 0, flat).view(nl, h, m, d)
-        if self.kernel:  # blocks of 16 entries [C / 16, D, 16]; the entries after m are masked
-            full = kk.new_zeros(nl, h, self.C, d)
-            full[:, :, :m] = kk
-            self.ckt[sel, b] = full.view(nl, h, self.C // 16, 16, d).transpose(-1, -2)
+        if self.kernel:  # blocks of 16 entries [C / 16, D, 16]: the rows gathered straight to C entries,
+            # the ones after m repeating row 0 (masked: their cpos is -1), then one strided copy
+            c = self.C
+            padded = keys if m == c else torch.cat([keys, keys[..., :1].expand(nl, h, c - m)], dim=-1)
+            flat_c = (padded + row0.unsqueeze(-1)).view(-1)
+            kk = torch.index_select(cache.k.view(-1, d), 0, flat_c).view(nl, h, c // 16, 16, d)
+            self.ckt[sel, b] = kk.transpose(-1, -2)
         else:
+            kk = torch.index_select(cache.k.view(-1, d), 0, flat).view(nl, h, m, d)
             self.ckt[sel, b, :, :, :m] = kk.transpose(-1, -2)
         self.cv[sel, b, :, :m] = vv
 
