@@ -1,6 +1,6 @@
 """Where replies come from: the native engine in this process, or an OpenAI-compatible endpoint.
 
-Both take a list of `Job`s (one prompt, one policy variant, one sample) and yield `Output`s as
+Both take a list of `EvalRequest`s (one prompt, one policy variant, one sample) and yield `Output`s as
 they finish, so the runner can log each one at once (the resume log).
 
 - `LocalBackend`: `NativeEngine.generate` per batch; jobs are sorted by prompt length first and
@@ -31,7 +31,7 @@ from cotserve.grouping import length_groups
 
 
 @dataclass
-class Job:
+class EvalRequest:
     key: tuple[str, str, str, int]  # (suite, variant label, item id, sample)
     prompt: str
     policy: str
@@ -44,7 +44,7 @@ class Job:
 
 @dataclass
 class Output:
-    job: Job
+    job: EvalRequest
     text: str = ""  # the whole reply (reasoning included, as generated)
     content: str = ""  # the answer part
     reasoning: str | None = None
@@ -82,7 +82,7 @@ class LocalBackend:
         """After Ctrl-C: nothing is in flight outside the engine (finished replies were yielded)."""
         return []
 
-    def run(self, jobs: list[Job]) -> Iterator[Output]:
+    def run(self, jobs: list[EvalRequest]) -> Iterator[Output]:
         eng = self.engine
         t_queued = time.time()  # every job enters the queue now; its wait ends when its batch starts
         encoded = [(j, eng.encode_prompt(j.prompt)) for j in jobs]
@@ -91,14 +91,14 @@ class LocalBackend:
                                    key=lambda e: json.dumps([e[0].policy, e[0].options], sort_keys=True, default=str)):
             yield from self._batch(batch, t_queued)
 
-    def _batch(self, batch: list[tuple[Job, list[int]]], t_queued: float) -> Iterator[Output]:
+    def _batch(self, batch: list[tuple[EvalRequest, list[int]]], t_queued: float) -> Iterator[Output]:
         """One engine batch, streamed: each reply is yielded the step it finishes, with its own
         first-token and end times (not the batch's)."""
         from cotserve.engine.native import GenRequest
         from cotserve.engine.sampling import SamplingParams
 
         eng = self.engine
-        ok: list[tuple[Job, list[int]]] = []
+        ok: list[tuple[EvalRequest, list[int]]] = []
         for job, ids in batch:
             try:
                 eng.check_request(GenRequest(ids))
@@ -148,7 +148,7 @@ class LogBackend:
     def check(self, policy: str, options: dict[str, Any]) -> None:
         """Nothing runs: nothing to check."""
 
-    def run(self, jobs: list[Job]) -> Iterator[Output]:
+    def run(self, jobs: list[EvalRequest]) -> Iterator[Output]:
         if jobs:
             raise CotserveError("--report-only generates nothing")
         return iter(())
@@ -199,7 +199,7 @@ class EndpointBackend:
     def check(self, policy: str, options: dict[str, Any]) -> None:
         """The server validates policies; nothing to check here."""
 
-    def _one(self, job: Job, t_queued: float | None = None) -> Output:
+    def _one(self, job: EvalRequest, t_queued: float | None = None) -> Output:
         import openai
 
         body: dict[str, Any] = {"cotserve": {"policy": job.policy, "options": job.options}}
@@ -274,7 +274,7 @@ class EndpointBackend:
                     finish = ch.finish_reason
         return parts, rparts, finish, usage, tele, t_first
 
-    def run(self, jobs: list[Job]) -> Iterator[Output]:
+    def run(self, jobs: list[EvalRequest]) -> Iterator[Output]:
         pool = ThreadPoolExecutor(max_workers=self.concurrency)
         t_queued = time.time()
         self._pending = {pool.submit(self._one, j, t_queued) for j in jobs}

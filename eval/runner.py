@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cotserve.errors import CotserveError
-from cotserve.eval.backends import Job, Output
+from cotserve.eval.backends import EvalRequest, Output
 from cotserve.eval.graders import GRADER_VERSION, grade
 from cotserve.eval.loaders import Item, SuiteRef, load_suite
 from cotserve.eval.prompts import build_prompt
@@ -263,7 +263,7 @@ def _generate(cfg: EvalConfig, backend, suites: dict[str, list[Item]], done: dic
                     key = (name, v.label, it.id, s)
                     if key in done:
                         continue
-                    jobs.append(Job(key, build_prompt(it), v.policy, v.options, cfg.max_tokens,
+                    jobs.append(EvalRequest(key, build_prompt(it), v.policy, v.options, cfg.max_tokens,
                                     cfg.temperature, cfg.top_p, job_seed(cfg.seed, name, it.id, s)))
             total = len(items) * cfg.samples
             bar = _bar(total, total - len(jobs), f"{name} {v.label}", cfg.progress)

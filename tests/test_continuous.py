@@ -141,3 +141,23 @@ def test_sampling_seeds_and_stop_and_errors(engine):
     with pytest.raises(ValueError):
         ContinuousEngine(engine, slots=2, prefill_chunk=0)
     assert ce.idle and torch.is_inference_mode_enabled() is False
+
+
+@pytest.mark.parametrize("policy", ["skipkv", "h2o"])
+def test_an_evicting_sequence_hands_back_its_prompts_memory(engine, policy):
+    """A prompt longer than the budget is allocated whole at admission; once the cache has
+    compacted below budget + interval the continuous engine reallocates it to that size, and the
+    tokens stay those of decoding alone."""
+    opts = POLICIES[policy]
+    prompt = " ".join(PROMPTS * 6)
+    req = _req(engine, prompt, n=8)
+    assert len(req.prompt_ids) > 3 * opts["budget"]
+    got = ContinuousEngine(engine, slots=2).generate([req], policy, opts)[0]
+    alone = engine.generate([_req(engine, prompt, n=8)], policy, opts)[0]
+    assert got.token_ids == alone.token_ids
+    t = got.telemetry
+    per_entry = 2 * engine.info.num_layers * engine.info.num_kv_heads * engine.info.head_dim * 4  # float32 K+V
+    assert t["kv_bytes_allocated_peak"] >= len(req.prompt_ids) * per_entry  # the whole prompt at admission
+    assert t["kv_bytes_allocated"] < t["kv_bytes_allocated_peak"] / 2  # handed back
+    assert t["kv_bytes_final"] <= t["kv_bytes_allocated"]
+    assert t["kv_bytes_allocated"] < alone.telemetry["kv_bytes_allocated"]  # the static engine keeps it all

@@ -366,12 +366,12 @@ def gateway(engine):
 def test_endpoint_completions_api(gateway, engine, tmp_path):
     from cotserve.engine.native import GenRequest
     from cotserve.engine.sampling import SamplingParams
-    from cotserve.eval.backends import Job
+    from cotserve.eval.backends import EvalRequest
 
     backend = EndpointBackend(gateway, None, None, concurrency=2, api="completions")
     assert backend.describe()["api"] == "completions"
     prompt = "Question: What is 3 + 4?\nAnswer:"
-    (out,) = list(backend.run([Job(("s", "dense", "q", 0), prompt, "dense", {}, 8, 0.0, 1.0, None)]))
+    (out,) = list(backend.run([EvalRequest(("s", "dense", "q", 0), prompt, "dense", {}, 8, 0.0, 1.0, None)]))
     (want,) = engine.generate([GenRequest(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=8))])
     assert out.error is None and out.text == want.text  # the raw prompt, no chat template
     assert out.completion_tokens == want.completion_tokens and out.telemetry["policy"] == "dense"

@@ -60,18 +60,30 @@ class KVCache:
         """Reallocate with room for `capacity` entries per row, keeping every entry (a copy of the
         cache). The continuous engine grows a dense sequence's cache as it decodes instead of
         allocating its whole context at admission; no other code holds the old tensors."""
-        if capacity <= self.capacity:
-            return
-        old_k, old_v, old_pos, n = self.k, self.v, self.pos, self.capacity
+        if capacity > self.capacity:
+            self._realloc(capacity)
+
+    def shrink(self, capacity: int) -> None:
+        """Reallocate to `capacity` entries per row, keeping the first `capacity` of each (every
+        row must hold at most that many): the continuous engine hands an evicting sequence's
+        unused allocation back once its cache has compacted to its budget."""
+        if capacity < self.capacity:
+            if int(self.lens.max()) > capacity:
+                raise ValueError("cannot shrink below the entries held")
+            self._realloc(capacity)
+
+    def _realloc(self, capacity: int) -> None:
+        old_k, old_v, old_pos = self.k, self.v, self.pos
+        n = min(capacity, self.capacity)
         self.shape = CacheShape(self.shape.layers, self.shape.slots, self.shape.kv_heads, capacity,
                                 self.shape.head_dim)
         size = (self.shape.layers, self.shape.slots, self.shape.kv_heads, capacity, self.shape.head_dim)
         self.k = old_k.new_zeros(size)
         self.v = old_v.new_zeros(size)
         self.pos = old_pos.new_full(size[:4], -1)
-        self.k[:, :, :, :n] = old_k
-        self.v[:, :, :, :n] = old_v
-        self.pos[:, :, :, :n] = old_pos
+        self.k[:, :, :, :n] = old_k[:, :, :, :n]
+        self.v[:, :, :, :n] = old_v[:, :, :, :n]
+        self.pos[:, :, :, :n] = old_pos[:, :, :, :n]
 
     # -- writes ---------------------------------------------------------------------------
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:

@@ -14,7 +14,9 @@
 Each sequence owns its KV cache (allocated when it joins, with its policy's capacity, freed
 when it leaves: running caches are never re-copied when the batch changes; a dense sequence's
 cache starts at its prompt plus `grow` entries and doubles when full, so many slots do not
-reserve every sequence's whole context up front) and its own policy
+reserve every sequence's whole context up front; an evicting sequence's cache shrinks to its
+steady-state capacity, budget plus interval, once it has compacted below it, so the memory its
+prompt took returns while it decodes) and its own policy
 stack, which sees a one-slot `BatchState` exactly as the static engine's batch of one. The
 decoder stack's projections and MLPs run once for all rows of a step; each layer's attention
 (`_Rows.route`) goes to each row's own cache and stack, so sequences of different lengths are
@@ -40,7 +42,7 @@ from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, 
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
 from cotserve.errors import RequestError
 from cotserve.kernels import cpu_decode
-from cotserve.policies.base import PolicyStack, grouped_attention
+from cotserve.policies.base import Axis, PolicyStack, grouped_attention
 from cotserve.policies.registry import build_policy
 
 
@@ -63,6 +65,8 @@ class _Seq:
     kv_after_prefill: int = 0
     kv_peak: int = 0
     grows: bool = False  # its cache starts small and grows as it decodes (dense)
+    steady: int = 0  # > 0: an evicting sequence's capacity once compacted (its cache shrinks to it)
+    alloc_peak: int = 0  # the most K+V bytes its cache had allocated
 
 
 class _Rows:
@@ -217,8 +221,14 @@ class ContinuousEngine:
             # reserve every sequence's whole context up front
             capacity = min(capacity, n + self.grow)
             s.grows = True
+        elif s.stack.parts and all(p.axis == Axis.EVICT for p in s.stack.parts):
+            # an evicting sequence needs its prompt's room only until its cache first compacts to
+            # the budget; then `_shrink` hands the rest back
+            asked = [c for p in s.stack.parts if (c := p.capacity([1], s.slot.max_new)) is not None]
+            s.steady = min(asked) if asked else 0
         cache = KVCache(CacheShape(info.num_layers, 1, info.num_kv_heads, capacity, info.head_dim),
                         eng.dtype, self.device)
+        s.alloc_peak = cache.allocated_bytes_per_slot()
         s.view = BatchState(info=info, cache=cache, policy=s.stack, scaling=eng.scaling,
                             prompt_lens=torch.tensor([n], device=self.device),
                             tokens=[list(s.slot.req.prompt_ids)],
@@ -271,6 +281,14 @@ class ContinuousEngine:
         self._drop(s)
         return d
 
+    def _shrink(self, s: _Seq) -> None:
+        """After a forward: once an evicting sequence's cache holds less than its steady-state
+        capacity (budget plus the eviction interval), reallocate it to that size."""
+        cache = s.view.cache  # type: ignore[union-attr]
+        if s.steady and cache.capacity > s.steady and int(cache.lens.max()) < s.steady:
+            cache.shrink(s.steady)
+            s.steady = 0
+
     def _grow(self, s: _Seq) -> None:
         """Room for this step's entry in a dense sequence's cache (see `_admit`): double, up to
         the sequence's full length."""
@@ -278,6 +296,7 @@ class ContinuousEngine:
         if int(cache.lens[0].max()) >= cache.capacity:
             full = s.stack.capacity([s.slot.prompt_len], s.slot.max_new)
             cache.grow(min(full, 2 * cache.capacity))
+            s.alloc_peak = max(s.alloc_peak, cache.allocated_bytes_per_slot())
 
     def _decode(self, seqs: list[_Seq], lean: bool) -> list[Delta]:
         eng = self.engine
@@ -305,6 +324,8 @@ class ContinuousEngine:
             view.hidden = hidden[j : j + 1]
             s.kv_peak = max(s.kv_peak, int(view.cache.nbytes_per_slot()[0]))
             s.stack.after_forward(view)
+            if s.steady:
+                self._shrink(s)
             s.steps += 1
             s.rows_sum += len(seqs)
         logits = eng.logits(hidden[:, -1], rows)  # type: ignore[arg-type]
@@ -359,6 +380,8 @@ class ContinuousEngine:
             if complete:
                 s.kv_after_prefill = int(view.cache.nbytes_per_slot()[0])
                 s.kv_peak = max(kv_before, s.kv_after_prefill)
+                if s.steady:
+                    self._shrink(s)
                 done.append((j, s))
         dt = time.perf_counter() - t0
         for s in chosen:
@@ -397,6 +420,7 @@ class ContinuousEngine:
                 "kv_bytes_after_prefill": s.kv_after_prefill,
                 "kv_bytes_peak": s.kv_peak,
                 "kv_bytes_allocated": view.cache.allocated_bytes_per_slot(),
+                "kv_bytes_allocated_peak": s.alloc_peak,
                 "kv_bytes_final": int(view.cache.nbytes_per_slot()[0]),
             })
             tele.update(s.stack.telemetry(0))
