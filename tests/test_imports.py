@@ -179,3 +179,15 @@ def test_gateway_imports_no_torch():
     code = f"import sys\nimport {', '.join(clean)}\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_policy_interface_imports_no_torch():
+    """`policies/interface.py` (axes, the config base, the hooks' protocol) stays torch-free: the
+    engine and every policy import it, and so can a process without torch."""
+    mod = "cotserve.policies.interface"
+    assert mod in MODULES and not _loads_torch_at_import(mod)
+    users = [m for m in MODULES if mod in _targets(m)]
+    assert "cotserve.policies.base" in users and "cotserve.engine.continuous" in users
+    code = f"import sys\nimport {mod}\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

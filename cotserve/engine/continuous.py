@@ -42,7 +42,8 @@ from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, 
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
 from cotserve.errors import RequestError
 from cotserve.kernels import cpu_decode
-from cotserve.policies.base import Axis, PolicyStack, grouped_attention
+from cotserve.policies.base import PolicyStack, grouped_attention
+from cotserve.policies.interface import Axis
 from cotserve.policies.registry import build_policy
 
 

@@ -1,20 +1,11 @@
-"""The policy interface between the native engine and decode-time KV logic.
+"""The policy base classes the native engine calls: `Policy` (every hook with a dense or no-op
+default, so a policy overrides only what it answers), `PolicyStack` (at most one policy per axis,
+hooks in the order read, evict, steer) and the dense attention defaults.
 
-A policy owns per-sequence state and answers one question per decode step (ARCHITECTURE.md):
-which positions to READ (sfi, sinkrouter, quest), which to DROP (skipkv, h2o, ...), or how to
-STEER the hidden state. The engine does the mechanics (cache layout, kernels) and asks through
-these hooks; every hook has a dense/no-op default, so a policy overrides only what it answers.
-
-Hooks, in the order the engine calls them for one batch:
-
-  capacity(prompt_lens, max_new)      -> cache entries to preallocate per slot
-  begin(batch)                        once, after the cache is allocated
-  before_step(batch)                  once per decode step, before the forward (outside CUDA graphs)
-  steer(layer, hidden, batch)         hidden state entering each layer (steering axis)
-  prefill_attention(layer, q, k, v, batch)   prompt attention (k, v already in the cache)
-  decode_attention(layer, q, batch)   one decode step's attention over the cache (read axis)
-  after_forward(batch)                after every forward (prefill and decode); eviction runs here
-  telemetry(slot)                     per-sequence numbers reported with the response
+A policy owns per-sequence state and answers one question per decode step: which positions to
+READ (sfi, sinkrouter, quest), which to DROP (skipkv, h2o, ...), or how to STEER the hidden state.
+The engine does the mechanics (cache layout, kernels) and asks through the hooks, whose contract
+(torch-free, with the order the engine calls them in) is `cotserve/policies/interface.py`.
 """
 
 from __future__ import annotations
@@ -25,19 +16,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from cotserve.policies.interface import Axis, PolicyConfig
+
+__all__ = ["Axis", "Policy", "PolicyConfig", "PolicyStack", "causal_prefill", "dense_decode", "grouped_attention"]
+
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
-
-
-class Axis:
-    READ = "read"
-    EVICT = "evict"
-    STEER = "steer"
-
-
-@dataclass
-class PolicyConfig:
-    """Base for small dataclass configs; subclasses add their knobs with defaults."""
 
 
 def grouped_attention(
