@@ -467,10 +467,79 @@ torch::Tensor ragged_decode(torch::Tensor q, torch::Tensor knew, torch::Tensor v
   return out;
 }
 
+// SFI's re-pack for one slot: for each of the nl layers `layers[i]` and each KV head h, the cache
+// rows keys[i, h, 0 .. m-1] of k / v [L, B, H, S, D] (float32, slot b) into the compact buffers:
+// keys in blocks of 16 entries ckt [L, B, H, C / 16, D, 16], values cv [L, B, H, C, D] (float32 or
+// bfloat16, converted like torch's `.to`, round to nearest even). Key entries m .. C-1 repeat row
+// keys[i, h, 0] (the caller masks them); value entries past m are left as they are. (layer, head)
+// pairs in parallel; one read of each chosen row.
+template <typename T>
+void pack_rows(const torch::Tensor& k, const torch::Tensor& v, int64_t b, const torch::Tensor& keys,
+               const torch::Tensor& layers, torch::Tensor& ckt, torch::Tensor& cv) {
+  const int64_t nl = keys.size(0), H = keys.size(1), m = keys.size(2), D = k.size(4);
+  const int64_t C = ckt.size(3) * 16;
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* ky = keys.data_ptr<int64_t>();
+  const int64_t* ly = layers.data_ptr<int64_t>();
+  T* ct = ckt.data_ptr<T>();
+  T* vt = cv.data_ptr<T>();
+  at::parallel_for(0, nl * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ih = begin; ih < end; ++ih) {
+      const int64_t i = ih / H, h = ih % H, l = ly[i];
+      const float* krow0 = kp + l * k.stride(0) + b * k.stride(1) + h * k.stride(2);
+      const float* vrow0 = vp + l * v.stride(0) + b * v.stride(1) + h * v.stride(2);
+      const int64_t* kk = ky + ih * m;
+      T* cth = ct + l * ckt.stride(0) + b * ckt.stride(1) + h * ckt.stride(2);
+      T* cvh = vt + l * cv.stride(0) + b * cv.stride(1) + h * cv.stride(2);
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t row = kk[c < m ? c : 0];
+        const float* kr = krow0 + row * k.stride(3);
+        T* blk = cth + (c / 16) * D * 16 + (c % 16);
+        for (int64_t d = 0; d < D; ++d) blk[d * 16] = static_cast<T>(kr[d]);
+        if (c < m) {
+          const float* vr = vrow0 + row * v.stride(3);
+          T* out = cvh + c * D;
+          for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(vr[d]);
+        }
+      }
+    }
+  });
+}
+
+void pack_compact(torch::Tensor k, torch::Tensor v, int64_t b, torch::Tensor keys, torch::Tensor layers,
+                  torch::Tensor ckt, torch::Tensor cv) {
+  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.scalar_type() == torch::kFloat32 &&
+              v.scalar_type() == torch::kFloat32 && k.stride(4) == 1 && v.stride(4) == 1,
+              "k, v must be float32 [L, B, H, S, D] with contiguous rows");
+  TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == torch::kInt64 && keys.size(1) == k.size(2),
+              "keys must be int64 [nl, H, m]");
+  TORCH_CHECK(layers.dim() == 1 && layers.size(0) == keys.size(0) && layers.scalar_type() == torch::kInt64,
+              "layers must be int64 [nl]");
+  TORCH_CHECK(ckt.dim() == 6 && ckt.size(5) == 16 && ckt.size(4) == k.size(4) && ckt.is_contiguous() &&
+              cv.is_contiguous() && cv.dim() == 5 && cv.size(3) == ckt.size(3) * 16 && cv.size(4) == k.size(4) &&
+              ckt.scalar_type() == cv.scalar_type(), "ckt [L, B, H, C / 16, D, 16] and cv [L, B, H, C, D], contiguous");
+  TORCH_CHECK(b >= 0 && b < k.size(1) && keys.size(2) >= 1 && keys.size(2) <= cv.size(3), "slot or entry count out of range");
+  keys = keys.contiguous();
+  layers = layers.contiguous();
+  if (keys.numel() > 0) {
+    TORCH_CHECK(keys.min().item<int64_t>() >= 0 && keys.max().item<int64_t>() < k.size(3), "rows outside the cache");
+    TORCH_CHECK(layers.min().item<int64_t>() >= 0 && layers.max().item<int64_t>() < k.size(0), "layer outside the cache");
+  }
+  if (ckt.scalar_type() == torch::kBFloat16)
+    pack_rows<c10::BFloat16>(k, v, b, keys, layers, ckt, cv);
+  else {
+    TORCH_CHECK(ckt.scalar_type() == torch::kFloat32, "compact buffers must be float32 or bfloat16");
+    pack_rows<float>(k, v, b, keys, layers, ckt, cv);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("two_source_decode", &two_source_decode, "SFI fast-step attention: compact buffer + recent window",
         py::call_guard<py::gil_scoped_release>());
   m.def("page_bound_decode", &page_bound_decode, "SFI fallback heads: Quest page-bound reads, in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("pack_compact", &pack_compact, "SFI's re-pack: chosen cache rows into the blocked compact buffers",
         py::call_guard<py::gil_scoped_release>());
   m.def("ragged_decode", &ragged_decode, "Dense decode over many one-slot caches: write the new row, attend",
         py::call_guard<py::gil_scoped_release>());

@@ -123,6 +123,19 @@ def ragged_decode(q: torch.Tensor, knew: torch.Tensor, vnew: torch.Tensor, kcach
     return mod.ragged_decode(q, knew, vnew, kcaches, vcaches, int(layer), lens, float(scaling))
 
 
+def pack_compact(k: torch.Tensor, v: torch.Tensor, slot: int, keys: torch.Tensor, layers: torch.Tensor,
+                 ckt: torch.Tensor, cv: torch.Tensor) -> None:
+    """SFI's re-pack of one slot, in place: for layer `layers[i]` and KV head h, the cache rows
+    `keys[i, h, :m]` of k / v [L, B, H, S, D] (float32) into the compact keys ckt
+    [L, B, H, C / 16, D, 16] (blocks of 16 entries; entries m .. C-1 repeat row keys[i, h, 0], to be
+    masked) and values cv[..., :m, :] [L, B, H, C, D] (float32 or bfloat16, rounded as torch's `.to`
+    rounds). Equals the gather-and-copy of `SFIPolicy._pack`'s torch path, in one pass."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    mod.pack_compact(k, v, int(slot), keys, layers, ckt, cv)
+
+
 def page_bound_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
                       lens: torch.Tensor, bounds: list[torch.Tensor], budget: int, page: int, sinks: int,
                       scaling: float) -> torch.Tensor:

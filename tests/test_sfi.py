@@ -414,3 +414,32 @@ def test_cached_key_norms_follow_a_compaction():
     cache.compact(1, 0, torch.arange(0, 20, 2).expand(2, 10))  # layer 1 keeps every other entry
     got = pol._key_norms(slice(None), [0, 1], 0, 10, cache)
     assert torch.allclose(got, cache.k[:, 0, :, :10].norm(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_kernel_equals_the_torch_gather(dtype):
+    """`cpu_decode.pack_compact` (SFI's re-pack under the C++ kernel) writes exactly what gathering
+    the rows with torch and laying them out in blocks of 16 writes: keys of the chosen layers and
+    heads (the entries after m repeat row 0), values (converted to the buffer's dtype), nothing
+    else of the buffers touched."""
+    from cotserve.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(5)
+    L, B, H, S, D, C = 4, 3, 2, 50, 64, 32  # noqa: N806
+    k, v = torch.randn(L, B, H, S, D, generator=g), torch.randn(L, B, H, S, D, generator=g)
+    ckt = torch.randn(L, B, H, C // 16, D, 16, generator=g).to(dtype)
+    cv = torch.randn(L, B, H, C, D, generator=g).to(dtype)
+    layers, slot, m = [0, 2, 3], 1, 21
+    keys = torch.stack([torch.stack([torch.randperm(S, generator=g)[:m] for _ in range(H)]) for _ in layers])
+    want_k, want_v = ckt.clone(), cv.clone()
+    for i, layer in enumerate(layers):
+        for h in range(H):
+            rows = torch.cat([keys[i, h], keys[i, h, :1].expand(C - m)])
+            want_k[layer, slot, h] = k[layer, slot, h, rows].view(C // 16, 16, D).transpose(-1, -2).to(dtype)
+            want_v[layer, slot, h, :m] = v[layer, slot, h, keys[i, h]].to(dtype)
+    cpu_decode.pack_compact(k, v, slot, keys, torch.tensor(layers), ckt, cv)
+    assert torch.equal(ckt, want_k) and torch.equal(cv, want_v)
+    with pytest.raises(RuntimeError, match="rows outside the cache"):
+        cpu_decode.pack_compact(k, v, slot, keys + S, torch.tensor(layers), ckt, cv)

@@ -253,32 +253,29 @@ class SFIPolicy(Policy):
             self.dense_by_layer[layer].append((slot, head))
 
     def _pack(self, layers: list[int], b: int, n: int, idx: torch.Tensor, pos: torch.Tensor, cache) -> None:
-        """Write sinks + selected entries (idx [l, H, ke]) of slot b into the compact buffers: one
-        `index_select` each for K and V over the cache's flat [entries, D] view (row indices
-        computed for every layer and head at once; `KVCache` buffers are contiguous), then one
-        strided copy into the buffers."""
+        """Write sinks + selected entries (idx [l, H, ke]) of slot b into the compact buffers: under
+        the C++ kernel one pass (`cpu_decode.pack_compact`); otherwise one `index_select` each for
+        K and V over the cache's flat [entries, D] view (row indices computed for every layer and
+        head at once; `KVCache` buffers are contiguous), then one strided copy into the buffers."""
         ns = min(self.config.sinks, n)
         keys = torch.cat([torch.arange(ns, device=idx.device).expand(*idx.shape[:-1], ns), idx], dim=-1)
         nl, h, m = keys.shape
         sel = slice(None) if nl == self.n_layers else torch.tensor(layers, device=idx.device)
         self.cpos[sel, b] = -1
         self.cpos[sel, b, :, :m] = torch.gather(pos, 2, keys)
-        _, slots, heads, cap, d = cache.k.shape
+        if m == 0:
+            return
         lt = torch.tensor(layers, device=idx.device)
+        if self.kernel:  # one pass in C++: the chosen rows into blocks of 16 entries [C / 16, D, 16]
+            # (entries after m repeat row 0, masked by their cpos of -1) and the values, converted
+            cpu_decode.pack_compact(cache.k, cache.v, b, keys, lt, self.ckt, self.cv)
+            return
+        _, slots, heads, cap, d = cache.k.shape
         row0 = ((lt.view(-1, 1) * slots + b) * heads + torch.arange(h, device=idx.device)) * cap  # [l, H]
         flat = (keys + row0.unsqueeze(-1)).view(-1)
-        vv = torch.index_select(cache.v.view(-1, d), 0, flat).view(nl, h, m, d)
-        if self.kernel:  # blocks of 16 entries [C / 16, D, 16]: the rows gathered straight to C entries,
-            # the ones after m repeating row 0 (masked: their cpos is -1), then one strided copy
-            c = self.C
-            padded = keys if m == c else torch.cat([keys, keys[..., :1].expand(nl, h, c - m)], dim=-1)
-            flat_c = (padded + row0.unsqueeze(-1)).view(-1)
-            kk = torch.index_select(cache.k.view(-1, d), 0, flat_c).view(nl, h, c // 16, 16, d)
-            self.ckt[sel, b] = kk.transpose(-1, -2)
-        else:
-            kk = torch.index_select(cache.k.view(-1, d), 0, flat).view(nl, h, m, d)
-            self.ckt[sel, b, :, :, :m] = kk.transpose(-1, -2)
-        self.cv[sel, b, :, :m] = vv
+        kk = torch.index_select(cache.k.view(-1, d), 0, flat).view(nl, h, m, d)
+        self.ckt[sel, b, :, :, :m] = kk.transpose(-1, -2)
+        self.cv[sel, b, :, :m] = torch.index_select(cache.v.view(-1, d), 0, flat).view(nl, h, m, d)
 
     # -- the paged runtime's hooks ------------------------------------------------------------
     def graph_ready(self) -> bool:
