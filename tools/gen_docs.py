@@ -80,13 +80,7 @@ def _default(f: dataclasses.Field) -> str:
         value = f.default_factory()
     else:
         return "(required)"
-    if isinstance(value, float) and math.isnan(value):
-        return "`nan`"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if value == "":
-        return '`""`'
-    return f"`{value}`"
+    return _model_default(value)
 
 
 def _cell(text: str) -> str:

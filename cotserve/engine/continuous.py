@@ -226,7 +226,8 @@ class ContinuousEngine:
             # an evicting sequence needs its prompt's room only until its cache first compacts to
             # the budget; then `_shrink` hands the rest back
             asked = [c for p in s.stack.parts if (c := p.capacity([1], s.slot.max_new)) is not None]
-            s.steady = min(asked) if asked else 0
+            if asked and min(asked) < capacity:  # a prompt longer than the steady state
+                s.steady = min(asked)
         cache = KVCache(CacheShape(info.num_layers, 1, info.num_kv_heads, capacity, info.head_dim),
                         eng.dtype, self.device)
         s.alloc_peak = cache.allocated_bytes_per_slot()

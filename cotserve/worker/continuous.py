@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.engine.continuous import ContinuousEngine
-from cotserve.engine.native import Delta, GenRequest, NativeEngine
-from cotserve.engine.sampling import SamplingParams
+from cotserve.engine.native import Delta, NativeEngine
 from cotserve.errors import CotserveError, RequestError
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue
-from cotserve.worker.events import Resume, delta_event, diverged_error, done_event, published_state
+from cotserve.worker.events import Resume, delta_event, diverged_error, done_event
 from cotserve.worker.metrics import WorkerMetrics
 from cotserve.worker.static import Worker
 
@@ -98,35 +97,11 @@ class ContinuousWorker(Worker):
     def _start(self, job: Job) -> None:
         sampling = dict(job.sampling)
         n = int(sampling.pop("n", 1) or 1)
-        if job.deadline is not None and job.attempts == 1 and time.time() > job.deadline:
-            self._error(job, 503, "queue_timeout",
-                        f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
-                        "server's --queue-timeout; retry later")
+        go, resume = self._intake(job, n)
+        if not go:
             return
-        resume = None
-        self._stream_len[job.id] = 0
-        if job.attempts > 1:
-            published = self._q(self.queue.published, job.id)
-            self._stream_len[job.id] = len(published)
-            st, ended = published_state(published, n)
-            if ended:  # the earlier worker finished it but died before acknowledging
-                self._q(self.queue.finish, self.worker_id, job.id)
-                self._stream_len.pop(job.id, None)
-                return
-            if st.ids and (not job.reproducible or n > 1):
-                self._error(job, 500, "worker_lost",
-                            "the worker running this request stopped after streaming part of it, and its "
-                            "unseeded sampling cannot be reproduced; retry the request")
-                return
-            resume = st
         try:
-            copies = []
-            for i in range(n):  # n sequences of one prompt: seeds seed, seed+1, ... (distinct samples)
-                params = SamplingParams(**sampling)
-                if i and params.seed is not None:
-                    params.seed = params.seed + i
-                rid = job.id if n == 1 else f"{job.id}/{i}"
-                copies.append(GenRequest(list(job.prompt_ids), params, request_id=rid))
+            copies = self._copies(job, n, sampling)
             self.engine.check_request(copies[0])
         except RequestError as exc:
             self._error(job, 400, exc.code or "invalid_request_error", str(exc))

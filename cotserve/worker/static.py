@@ -255,6 +255,44 @@ class Worker:
                 self._error(j, 500, "server_error",
                             f"the worker failed on this request ({type(exc).__name__}); the server log has the details")
 
+    def _intake(self, job: Job, n: int, resume_all: bool = False) -> tuple[bool, Resume | None]:
+        """The checks a claimed job passes before it runs, for both schedulers: its queue deadline
+        (first attempt only), then, for a retried job, what an earlier worker already published.
+        Returns (run it?, where its stream resumes); a job that does not run has been answered."""
+        if job.deadline is not None and job.attempts == 1 and not resume_all and time.time() > job.deadline:
+            self._error(job, 503, "queue_timeout",
+                        f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
+                        "server's --queue-timeout; retry later")
+            return False, None
+        self._stream_len[job.id] = 0
+        if job.attempts == 1 and not resume_all:
+            return True, None
+        published = self._q(self.queue.published, job.id)
+        self._stream_len[job.id] = len(published)
+        st, ended = published_state(published, n)
+        if ended:  # the earlier worker finished it but died before acknowledging
+            self._q(self.queue.finish, self.worker_id, job.id)
+            self._stream_len.pop(job.id, None)
+            return False, None
+        if st.ids and (not job.reproducible or n > 1):
+            self._error(job, 500, "worker_lost",
+                        "the worker running this request stopped after streaming part of it, and its "
+                        "unseeded sampling cannot be reproduced; retry the request")
+            return False, None
+        return True, st
+
+    @staticmethod
+    def _copies(job: Job, n: int, sampling: dict[str, Any]) -> list[GenRequest]:
+        """The job's n sequences of one prompt: seeds seed, seed+1, ... (distinct samples); request
+        ids `job` (n = 1) or `job/i`."""
+        copies = []
+        for i in range(n):
+            params = SamplingParams(**sampling)
+            if i and params.seed is not None:
+                params.seed = (params.seed + i) % (1 << 64)
+            copies.append(GenRequest(list(job.prompt_ids), params, request_id=job.id if n == 1 else f"{job.id}/{i}"))
+        return copies
+
     def _run_same_policy(self, jobs: list[Job], resume_all: bool = False) -> None:
         reqs: list[GenRequest] = []
         resume: dict[str, Resume] = {}
@@ -264,34 +302,15 @@ class Worker:
         for job in jobs:
             sampling = dict(job.sampling)
             n = int(sampling.pop("n", 1) or 1)
-            if job.deadline is not None and job.attempts == 1 and not resume_all and time.time() > job.deadline:
-                self._error(job, 503, "queue_timeout",
-                            f"the request waited {time.time() - job.created:.1f} s in the queue, longer than the "
-                            "server's --queue-timeout; retry later")
+            go, st = self._intake(job, n, resume_all)
+            if not go:
                 continue
-            self._stream_len[job.id] = 0
-            if job.attempts > 1 or resume_all:
-                published = self._q(self.queue.published, job.id)
-                self._stream_len[job.id] = len(published)
-                st, ended = published_state(published, n)
-                if ended:  # the earlier worker finished it but died before acknowledging
-                    self._q(self.queue.finish, self.worker_id, job.id)
-                    continue
-                if st.ids and (not job.reproducible or n > 1):
-                    self._error(job, 500, "worker_lost",
-                                "the worker running this request stopped after streaming part of it, and its "
-                                "unseeded sampling cannot be reproduced; retry the request")
-                    continue
+            if st is not None:
                 resume[job.id] = st
             try:
-                copies = []
-                for i in range(n):  # n sequences of one prompt: seeds seed, seed+1, ... (distinct samples)
-                    params = SamplingParams(**sampling)
-                    if i and params.seed is not None:
-                        params.seed = (params.seed + i) % (1 << 64)
-                    rid = job.id if n == 1 else f"{job.id}/{i}"
-                    copies.append(GenRequest(list(job.prompt_ids), params, request_id=rid))
-                    seq[rid] = (job.id, i, n)
+                copies = self._copies(job, n, sampling)
+                for i, r in enumerate(copies):
+                    seq[r.request_id] = (job.id, i, n)
                 self.engine.check_request(copies[0])
             except RequestError as exc:
                 code = exc.code or "invalid_request_error"
