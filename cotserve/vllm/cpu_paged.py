@@ -56,3 +56,35 @@ class CPUPagedKV:
         v = self._part(sub[:, :, self.bs :], self.v_t)
         lo, hi = start - b0 * self.bs, end - b0 * self.bs
         return k[:, lo:hi], v[:, lo:hi]
+
+    def write_front(self, kv_cache: torch.Tensor, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V [H, m, D] as the entries 0 .. m - 1 of the request whose blocks are `blocks`
+        (entries m .. of the last block written keep their contents)."""
+        m = k.shape[1]
+        nbk = -(-m // self.bs)
+        sel = blocks[:nbk].long()
+        nb, h = kv_cache.shape[:2]
+        kv = kv_cache.view(nb, h, 2 * self.bs, -1)
+        old_k, old_v = self.read(kv_cache, blocks, 0, nbk * self.bs)
+        old_k, old_v = old_k.clone(), old_v.clone()
+        old_k[:, :m] = k
+        old_v[:, :m] = v
+        kv[sel, :, : self.bs] = self._pack(old_k, nbk, self.k_t)
+        kv[sel, :, self.bs :] = self._pack(old_v, nbk, self.v_t)
+
+    def _pack(self, x: torch.Tensor, nbk: int, transposed: bool) -> torch.Tensor:
+        """[H, nbk x block, D] -> the blocks' memory [nbk, H, block, D] (inverse of `_part`)."""
+        h, _, d = x.shape
+        x = x.reshape(h, nbk, self.bs, d).permute(1, 0, 2, 3)
+        if transposed:
+            x = x.transpose(-1, -2).contiguous().reshape(nbk, h, self.bs, d)
+        return x
+
+    def read_many(self, kv_cache: torch.Tensor, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs = zip(*(self.read(kv_cache, b, 0, n) for b in blocks), strict=True)
+        return torch.stack(ks), torch.stack(vs)
+
+    def write_front_many(self, kv_cache: torch.Tensor, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                         ) -> None:
+        for b, kk, vv in zip(blocks, k, v, strict=True):
+            self.write_front(kv_cache, b, kk, vv)

@@ -29,7 +29,6 @@ import logging
 import os
 import re
 
-import torch
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -37,12 +36,14 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 
 from cotserve.kernels.sfi_paged import sfi_paged_fast
+from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
 from cotserve.vllm.graph_sfi import GraphSFI
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 _RUNTIME: GraphSFI | None = None
+_EVICT_ON: list = [None]  # the eviction runtime once built (its ring write runs in every layer)
 
 
 def _runtime(vllm_config, device) -> GraphSFI:
@@ -71,20 +72,36 @@ def _runtime(vllm_config, device) -> GraphSFI:
     return _RUNTIME
 
 
-def split_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM 0.26's FlashAttention cache [blocks, H, block, 2 D] (NHD in memory) -> K, V views
-    [blocks, block, H, D], as its FlashAttentionImpl splits it."""
-    k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)
-    return k, v
+def _evict_runtime(vllm_config, device):
+    """The eviction runtime, made before the graphs are captured (its ring write is in them);
+    `COTSERVE_VLLM_EVICT_SLOTS=0` leaves it out."""
+    from cotserve.vllm import runtime_access
+
+    slots = int(os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", vllm_config.scheduler_config.max_num_seqs))
+    if slots <= 0:
+        return None
+    ev = runtime_access.evict_for(vllm_config, device, force=True, slots=slots)
+    _EVICT_ON[0] = ev
+    return ev
 
 
 class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.sfi = _runtime(vllm_config, device)
+        self.evict = _evict_runtime(vllm_config, device)
+        self.paged_rw = FlashPagedKV(self.block_size, self.head_size_of())
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        cm = copy.copy(common_attn_metadata)
+        cm = common_attn_metadata
+        if self.evict is not None:
+            from cotserve.vllm.models import HIDDEN
+            from cotserve.vllm.requests import ROWS
+            from cotserve.vllm.runtime_access import layer_caches
+
+            cm = self.evict.plan(ROWS, cm, self.block_size, layer_caches(self.evict.layers), self.paged_rw,
+                                 HIDDEN.buf)
+        cm = copy.copy(cm)
         cm.seq_lens = self.sfi.step(cm, self.block_size, self.head_size_of())
         return super().build(common_prefix_len, cm, fast_build)
 
@@ -105,6 +122,8 @@ class CotserveFlashImpl(FlashAttentionImpl):
         q = query.view(t, self.num_heads, self.head_size)
         o = output.view(output.shape[0], self.num_heads, self.head_size)
         rt.write_ring(li, q)
+        if _EVICT_ON[0] is not None:
+            _EVICT_ON[0].record(li, q)
         kc, vc = split_kv(kv_cache, self.head_size)
         rows = min(t, rt.max_rows, attn_metadata.block_table.shape[0])
         sfi_paged_fast(q, o, rt.ck[li], rt.cv[li], rt.cpos[li], kc, vc, attn_metadata.block_table, rt.row_mode,

@@ -22,9 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cotserve.engine.native import Completion, Delta, GenRequest
-from cotserve.errors import ModelError, PolicyError, RequestError
+from cotserve.errors import ModelError, RequestError
 from cotserve.policies.base import PolicyStack
-from cotserve.vllm.requests import VLLM_POLICIES
+from cotserve.vllm.requests import request_policy_of
+
+# vLLM's scheduler plus the block side of physical eviction (`scheduler.py`)
+EVICTING_SCHEDULER = "cotserve.vllm.scheduler.EvictingScheduler"
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,8 @@ class VLLMEngine:
         self.max_batch = opts.max_num_seqs or max_batch
         kwargs: dict[str, Any] = dict(model=str(path), dtype=vdtype, max_num_seqs=self.max_batch,
                                       tensor_parallel_size=opts.tensor_parallel_size,
-                                      enforce_eager=opts.enforce_eager, enable_prefix_caching=False)
+                                      enforce_eager=opts.enforce_eager, enable_prefix_caching=False,
+                                      scheduler_cls=EVICTING_SCHEDULER)
         if opts.max_model_len:
             kwargs["max_model_len"] = opts.max_model_len
         if opts.gpu_memory_utilization:
@@ -121,15 +125,7 @@ class VLLMEngine:
 
     @staticmethod
     def check_policy(stack: PolicyStack) -> None:
-        names = [p.name for p in stack.parts]
-        bad = [n for n in names if n not in VLLM_POLICIES]
-        if bad:
-            raise PolicyError(f"policy {'+'.join(bad)!r} is not available on the vllm engine (it runs: "
-                              f"{', '.join(VLLM_POLICIES)}); serve it with --engine native")
-        for p in stack.parts:
-            if p.name == "sfi" and p.config.dense_heads > 0:
-                raise PolicyError("sfi option dense_heads (the unstable-head fallback) is not available on the "
-                                  "vllm engine; use dense_heads=0")
+        request_policy_of(policy_extra_args(stack))
 
     def _params(self, req: GenRequest, extra: dict[str, Any] | None):
         from vllm import SamplingParams
@@ -191,6 +187,8 @@ class VLLMEngine:
                 pending.discard(rid)
                 raise RuntimeError(f"vLLM failed on request {rid}: {item}") from item
             o = item.outputs[0]
+            if item.finished and getattr(item, "kv_transfer_params", None):
+                state[rid]["telemetry"] = dict(item.kv_transfer_params.get("cotserve") or {})
             ids, text = list(o.token_ids), o.text or ""
             lps = _logprobs(ids, o.logprobs, by_id[rid].sampling.logprobs)
             state[rid]["ids"].extend(ids)
@@ -208,7 +206,7 @@ class VLLMEngine:
         reason = {"abort": "cancelled"}.get(reason, reason)
         res = Completion(request_id=req.request_id, text="".join(st["text"]), token_ids=list(st["ids"]),
                          finish_reason=reason, prompt_tokens=len(req.prompt_ids), completion_tokens=len(st["ids"]),
-                         telemetry={"engine": "vllm"})
+                         telemetry={"engine": "vllm", **st.get("telemetry", {})})
         return Delta(req.request_id, [], "", finished=True, finish_reason=reason, result=res)
 
     def generate(self, requests: list[GenRequest], policy: PolicyStack | str | None = None,

@@ -20,9 +20,7 @@ functions, run on all layers of a request at once.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 
 import torch
@@ -32,19 +30,11 @@ from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, padded, ring_size, sfi_telemetry
 from cotserve.policies.sfi.trigger import RefreshTrigger
 from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
+from cotserve.vllm.telemetry import write_telemetry
 
 __all__ = ["GraphSFI", "SlotState", "W_MAX", "padded", "ring_size", "sfi_telemetry", "write_telemetry"]
 
 log = logging.getLogger(__name__)
-
-
-def write_telemetry(tele: dict) -> None:
-    """Append a finished request's SFI telemetry to $COTSERVE_VLLM_TELEMETRY (a JSON line), the
-    benchmarks' way out of vLLM's engine process."""
-    path = os.environ.get("COTSERVE_VLLM_TELEMETRY")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(tele) + "\n")
 
 
 class GraphSFI(PagedSFI):

@@ -11,14 +11,14 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from cotserve.errors import CotserveError
-from cotserve.vllm.requests import ROWS, RowRequest, sfi_config_of
+from cotserve.vllm.requests import ROWS, RequestPolicy, RowRequest, request_policy_of
 
 
 class RowTracker(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         try:
-            sfi_config_of(sampling_params.extra_args)
+            request_policy_of(sampling_params.extra_args)
         except CotserveError as exc:
             raise ValueError(str(exc)) from None
 
@@ -38,9 +38,12 @@ class RowTracker(LogitsProcessor):
             self.rows.remove(index)
         for index, params, prompt_ids, output_ids in batch_update.added:
             try:
-                cfg = sfi_config_of(params.extra_args) if params is not None else None
+                pol = request_policy_of(params.extra_args) if params is not None else RequestPolicy()
             except CotserveError:  # validate_params refused it already; never reached in practice
-                cfg = None
-            self.rows.add(index, RowRequest(list(prompt_ids or []), output_ids, sfi=cfg))
+                pol = RequestPolicy()
+            prompt = list(prompt_ids or [])
+            # a request resumed after a preemption prefills its prompt and its output so far
+            self.rows.add(index, RowRequest(prompt, output_ids, sfi=pol.sfi, evict=pol.evict,
+                                            prefill_len=len(prompt) + len(output_ids or [])))
         for src, dst, direction in batch_update.moved:
             self.rows.move(src, dst, direction == MoveDirectionality.SWAP)

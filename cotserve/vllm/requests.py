@@ -17,7 +17,11 @@ from typing import Any
 from cotserve.errors import PolicyError
 
 # Policies the vLLM engine runs per request; anything else is refused when the request arrives.
-VLLM_POLICIES = ("dense", "sfi")
+VLLM_POLICIES = ("dense", "sfi", "rkv", "skipkv", "streamingllm")
+# The eviction policies among them (physical eviction into vLLM's block pool, `evict_runtime`).
+VLLM_EVICTION = ("rkv", "skipkv", "streamingllm")
+# The most observation queries (`window`) an eviction request may ask for on vLLM (its ring size).
+MAX_EVICT_WINDOW = 16
 
 
 @dataclass
@@ -27,8 +31,11 @@ class RowRequest:
     prompt_ids: list[int]
     output_ids: list[int]  # vLLM's live list: grows as tokens are sampled
     sfi: Any = None  # SFIConfig when the request asked for SFI
+    evict: Any = None  # the native eviction policy object when the request asked for one
+    prefill_len: int = 0  # tokens its prefill computes (the prompt; after a preemption, also the output so far)
     slot: int = -1  # SFI state slot (`sfi_runtime.SFIRuntime`), assigned by the backend
     state: Any = None  # the backend's per-request state
+    evict_state: Any = None  # the eviction runtime's per-request state
 
 
 @dataclass
@@ -76,8 +83,16 @@ def policy_of(extra_args: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     return policy.strip(), dict(options)
 
 
-def sfi_config_of(extra_args: dict[str, Any] | None):
-    """The request's SFIConfig, None for dense; PolicyError for anything the vLLM engine does not run."""
+@dataclass
+class RequestPolicy:
+    """What the vLLM engine runs for one request: SFI's config and/or an eviction policy."""
+
+    sfi: Any = None
+    evict: Any = None
+
+
+def request_policy_of(extra_args: dict[str, Any] | None) -> RequestPolicy:
+    """The request's policy parts; PolicyError for anything the vLLM engine does not run."""
     from cotserve.policies.registry import build_policy
 
     policy, options = policy_of(extra_args)
@@ -87,11 +102,24 @@ def sfi_config_of(extra_args: dict[str, Any] | None):
         raise PolicyError(f"policy {'+'.join(unknown)!r} is not available on the vllm engine "
                           f"(it runs: {', '.join(VLLM_POLICIES)}); use --engine native for it")
     stack = build_policy(policy, options)
+    out = RequestPolicy()
     for part in stack.parts:
         if part.name == "sfi":
-            cfg = part.config
-            if cfg.dense_heads > 0:
-                raise PolicyError("sfi option dense_heads (the unstable-head fallback) is not available on the vllm "
-                                  "engine; use dense_heads=0 or --engine native")
-            return cfg
-    return None
+            if part.config.dense_heads > 0:
+                raise PolicyError("sfi option dense_heads (the unstable-head fallback) is not available on the "
+                                  "vllm engine; use dense_heads=0 or --engine native")
+            out.sfi = part.config
+        elif part.name in VLLM_EVICTION:
+            window = getattr(part.config, "window", 0) if part.name != "streamingllm" else 0
+            if window > MAX_EVICT_WINDOW:
+                raise PolicyError(f"{part.name} option window={window} exceeds {MAX_EVICT_WINDOW} on the vllm engine")
+            out.evict = part
+    if out.sfi is not None and out.evict is not None:
+        raise PolicyError(f"{out.evict.name}+sfi is not available on the vllm engine yet (each runs alone there); "
+                          "use --engine native for the combination")
+    return out
+
+
+def sfi_config_of(extra_args: dict[str, Any] | None):
+    """The request's SFIConfig, None when it asked for no SFI."""
+    return request_policy_of(extra_args).sfi

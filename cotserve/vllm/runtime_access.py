@@ -28,11 +28,7 @@ class Access:
     paged: object = None
 
     def kv_caches(self) -> list[torch.Tensor]:
-        out = []
-        for layer in self.layers:
-            kv = layer.kv_cache
-            out.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
-        return out
+        return layer_caches(self.layers)
 
     @staticmethod
     def layer_index(layer) -> int:
@@ -52,6 +48,15 @@ class Access:
 _ACCESS: Access | None = None
 
 
+def layer_caches(layers: list) -> list[torch.Tensor]:
+    """Each layer's paged KV cache tensor."""
+    out = []
+    for layer in layers:
+        kv = layer.kv_cache
+        out.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
+    return out
+
+
 def current() -> Access | None:
     return _ACCESS
 
@@ -61,6 +66,52 @@ def make_paged(layer, block_size: int, dtype: torch.dtype):
     from cotserve.vllm.cpu_paged import CPUPagedKV, key_layout
 
     return CPUPagedKV(block_size, key_layout(layer.isa, dtype, layer.impl.head_size))
+
+
+_EVICT = None
+
+
+def evict_current():
+    return _EVICT
+
+
+def evict_for(vllm_config, device: torch.device, force: bool = False, slots: int | None = None):
+    """The eviction runtime (`evict_runtime.EvictRuntime`), built on the first step that has an
+    evicting request (None before that), or now with `force` (CUDA: before graph capture)."""
+    global _EVICT
+    if _EVICT is not None:
+        return _EVICT
+    if not force and not any(r.evict is not None for r in ROWS.rows.values()):
+        return None
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    from cotserve.vllm.evict_runtime import EvictRuntime
+
+    layers = sorted(get_layers_from_vllm_config(vllm_config, Attention).values(), key=Access.layer_index)
+    mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+    first = layers[0].impl
+    _EVICT = EvictRuntime(len(layers), first.num_heads, first.num_kv_heads, first.head_size, first.scale, mc.dtype,
+                          device, slots=slots or sc.max_num_seqs, max_tokens=sc.max_num_batched_tokens,
+                          tokenizer=_tokenizer(mc), on_device_tables=device.type == "cuda")
+    _EVICT.layers = layers
+    log.info("eviction: runtime ready (%d layers, %d slots)", len(layers), _EVICT.slots)
+    if "EvictingScheduler" not in str(sc.scheduler_cls):
+        log.warning("eviction: vLLM's scheduler is %s, not cotserve.vllm.scheduler.EvictingScheduler: evicting "
+                    "requests compact their entries but their blocks do not return to the pool", sc.scheduler_cls)
+    return _EVICT
+
+
+def _tokenizer(mc):
+    if getattr(mc, "skip_tokenizer_init", False):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+    except Exception as exc:  # sentence tracking then sees no delimiters
+        log.warning("no tokenizer for thought delimiters (%s); skipkv's sentence term stays off", exc)
+        return None
 
 
 def runtime_for(vllm_config, layer_names: list[str], device: torch.device) -> Access | None:

