@@ -73,13 +73,16 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     rows = []
     for pol in policies:  # warm-up: a short request through each policy
         _run(engine, [[1] * 64], _params(SamplingParams, pol, opts, 4), f"warm-{pol}")
+    runtime_last: dict[str, Any] | None = None
     for pol in policies:
         s0, t_start = stats_path.stat().st_size, tele_path.stat().st_size
         res = _run(engine, prompts, _params(SamplingParams, pol, opts, new_tokens), f"{pol}")
         steps = _sched_steps(stats_path, s0)
         busy = [x for x in steps if x[0] + x[1] > 0]  # while any request was unfinished
         running = [x[0] for x in busy]
-        tele = [t for t in read_jsonl(tele_path, start=t_start) if str(t.get("request_id", "")).startswith(f"{pol}-")]
+        lines = list(read_jsonl(tele_path, start=t_start))
+        tele = [t for t in lines if str(t.get("request_id", "")).startswith(f"{pol}-")]
+        runtime = [t["evict_runtime"] for t in lines if "evict_runtime" in t]
         row = {"policy": pol, "requests": requests, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
                "running_max": max(running, default=0),
                "running_mean": round(sum(running) / len(running), 2) if running else 0.0,
@@ -88,6 +91,12 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
             row["compactions_mean"] = round(sum(t.get("compactions", 0) for t in tele) / len(tele), 2)
             row["kv_entries_peak_max"] = max(t.get("kv_entries_peak", 0) for t in tele)
             row["recomputed"] = sum(t.get("recomputed", 0) for t in tele)
+        if runtime and pol != "dense":  # the eviction runtime's cost in this row (cumulative counters)
+            before = runtime_last or {}
+            for k in ("plan_host_s", "compact_s", "compaction_steps", "compactions"):
+                row[f"runtime_{k}"] = round(runtime[-1][k] - before.get(k, 0), 3)
+        if runtime:
+            runtime_last = runtime[-1]
         rows.append(row)
         print(json.dumps(row), flush=True)
     import vllm

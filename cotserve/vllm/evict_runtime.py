@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +43,7 @@ from cotserve.policies.scoring import protected_top
 from cotserve.policies.skipkv import SentenceTrack
 from cotserve.vllm.eviction_ledger import EvictionLedger, cdiv
 from cotserve.vllm.requests import MAX_EVICT_WINDOW, BatchRows, RowRequest
+from cotserve.vllm.telemetry import write_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +119,24 @@ class EvictRuntime:
         self.w_tok, self.w_slot, self.w_idx = self.writes[0], self.writes[1], self.writes[2]
         self.free = list(range(slots))
         self.active = False  # any evicting request this step
+        # cumulative cost, reported with each finished request (`bench capacity` reads it)
+        self.plan_s = 0.0  # host time in `plan`, compactions included
+        self.compact_s = 0.0  # compactions, to their end on the device
+        self.compact_events = 0
+        self.compacted = 0
 
     # -- per step (metadata builder) -------------------------------------------------------------
     def plan(self, rows: BatchRows, cm, block_size: int, kv_caches: list[torch.Tensor], paged: PagedRW,
              hidden: torch.Tensor | None):
         """Run due compactions and return the metadata in physical terms (see the module docstring)."""
+        t0 = time.perf_counter()
+        try:
+            return self._plan(rows, cm, block_size, kv_caches, paged, hidden)
+        finally:
+            self.plan_s += time.perf_counter() - t0
+
+    def _plan(self, rows: BatchRows, cm, block_size: int, kv_caches: list[torch.Tensor], paged: PagedRW,
+              hidden: torch.Tensor | None):
         reqs = [(i, r) for i, r in rows.rows.items() if r.evict is not None and i < cm.num_reqs]
         self._release(rows)
         if not reqs:
@@ -149,13 +164,21 @@ class EvictRuntime:
                 st = self._restart(req)
             led = st.ledger
             if led.due(before, ntok):  # read through the live blocks as they are before this compaction
-                live = torch.tensor(led.live_blocks(cdiv(st.n_phys, block_size)), device=table.device)
+                live = led.live_blocks(cdiv(before, block_size))[: cdiv(st.n_phys, block_size)]
+                live = torch.tensor(live, dtype=torch.long, device=table.device)
                 key = (req.evict.name, repr(req.evict.config), st.n_phys)
                 groups.setdefault(key, []).append((req, st, table[i, live]))
                 led.compact(before, ntok, block_size)
             rows_now.append((i, req, st, tok, ntok))
-        for items in groups.values():
-            self._compact_group(items, kv_caches, paged)
+        if groups:
+            t1 = time.perf_counter()
+            for items in groups.values():
+                self._compact_group(items, kv_caches, paged)
+                self.compacted += len(items)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.compact_s += time.perf_counter() - t1
+            self.compact_events += 1
         rewrite: list[tuple[int, list[int], int, int, int]] = []  # (row, live, tok, ntok, phys_before)
         w_tok, w_slot, w_idx = [], [], []
         for i, _req, st, tok, ntok in rows_now:
@@ -200,9 +223,14 @@ class EvictRuntime:
 
     def _release(self, rows: BatchRows) -> None:
         held = {r.evict_state.slot for r in rows.rows.values() if r.evict_state is not None}
-        in_use = set(range(self.slots)) - set(self.free)
-        for s in in_use - held:
+        gone = set(range(self.slots)) - set(self.free) - held
+        for s in gone:
             self.free.append(s)
+        if gone:
+            write_telemetry({"evict_runtime": {"plan_host_s": round(self.plan_s, 3),
+                                               "compact_s": round(self.compact_s, 3),
+                                               "compaction_steps": self.compact_events,
+                                               "compactions": self.compacted}})
 
     def positions(self, st: EvictState, n: int) -> torch.Tensor:
         """True positions [L, Hkv, n] of the request's physical entries 0 .. n - 1."""
@@ -227,7 +255,7 @@ class EvictRuntime:
                 todo.append((req, st, tok, ntok, first))
         if not todo:
             return
-        idx = torch.cat([torch.arange(tok, tok + ntok) for _, _, tok, ntok, _ in todo]).to(hidden.device)
+        idx = torch.tensor([t for _, _, tok, ntok, _ in todo for t in range(tok, tok + ntok)], device=hidden.device)
         rows = hidden.index_select(0, idx).float().cpu()
         at = 0
         for req, st, _, ntok, first in todo:
@@ -336,22 +364,16 @@ class EvictRuntime:
         nr = cm.num_reqs
         table = cm.block_table_tensor
         dev = table.device
-        width = table.shape[1]
-        n_rw = len(rewrite)
-        live_idx = torch.zeros(n_rw, width, dtype=torch.long)
-        live_len = torch.zeros(n_rw, dtype=torch.long)
+        width = min(table.shape[1], max(len(r[1]) for r in rewrite))
+        live_idx = torch.tensor([r[1][:width] + [0] * (width - len(r[1])) for r in rewrite], dtype=torch.long)
         tok_row, tok_idx, tok_phys = [], [], []
-        for j, (_, live, tok, ntok, phys_before) in enumerate(rewrite):
-            live_idx[j, : len(live)] = torch.tensor(live)
-            live_len[j] = len(live)
+        for j, (_, _, tok, ntok, phys_before) in enumerate(rewrite):
             for t in range(ntok):
                 tok_row.append(j)
                 tok_idx.append(tok + t)
                 tok_phys.append(phys_before + t)
         ridx = torch.tensor([r[0] for r in rewrite], device=dev)
-        live_idx, live_len = live_idx.to(dev), live_len.to(dev)
-        tab = torch.gather(table[ridx], 1, live_idx)
-        tab = torch.where(torch.arange(width, device=dev) < live_len.unsqueeze(1), tab, torch.zeros_like(tab))
+        tab = torch.gather(table[ridx, :], 1, live_idx.to(dev))  # entries past a row's live blocks are never read
         tp = torch.tensor(tok_phys, device=dev)
         slots = tab[torch.tensor(tok_row, device=dev), tp // block_size].to(cm.slot_mapping.dtype) * block_size \
             + tp % block_size
@@ -360,18 +382,23 @@ class EvictRuntime:
         out = copy.copy(cm)
         if self.inplace:  # CUDA: the persistent tensors a captured graph reads
             cm.seq_lens[:nr].copy_(lens_t.to(dev), non_blocking=True)
-            table[ridx] = tab
+            table[ridx.unsqueeze(1), torch.arange(width, device=dev)] = tab
         else:  # CPU: vLLM's block table tensor is its own host copy; rewrite copies
             out.seq_lens = cm.seq_lens.clone()
             out.seq_lens[:nr] = lens_t
             out.block_table_tensor = table.clone()
-            out.block_table_tensor[ridx] = tab
+            out.block_table_tensor[ridx.unsqueeze(1), torch.arange(width, device=dev)] = tab
         cm.slot_mapping[sidx] = slots  # vLLM recomputes it every step; its KV write reads this tensor
         for name in HOST_LENS:
             if getattr(cm, name, None) is not None:
                 t = getattr(cm, name).clone()
                 t[:nr] = lens_t
-                setattr(out, name, t)
+                for attr in (name, "_" + name):  # a read-only property in some versions: its field
+                    try:
+                        setattr(out, attr, t)
+                        break
+                    except AttributeError:
+                        continue
         if hasattr(out, "_num_computed_tokens_cache"):
             out._num_computed_tokens_cache = None
         return out

@@ -43,6 +43,7 @@ class EvictionLedger:
     holes: list[int] = field(default_factory=list)  # block-list indices nulled, ascending
     compactions: int = 0
     peak: int = 0  # most entries held after a step's write, before a compaction
+    _live: tuple[int, int, list[int]] | None = field(default=None, repr=False)  # (holes, entries, live indices)
 
     def after_step(self, logical_after: int) -> None:
         self.peak = max(self.peak, self.physical(logical_after))
@@ -73,9 +74,17 @@ class EvictionLedger:
         return new
 
     def live_blocks(self, n_entries: int) -> list[int]:
-        """Block-list indices that hold the request's entries, in physical order."""
-        have = set(self.holes)
-        return [i for i in range(n_entries) if i not in have]
+        """Block-list indices that hold the request's entries, in physical order, for a list of
+        `n_entries` entries (kept from call to call: holes change only at a compaction, and indices
+        past the last hole are live)."""
+        cache = self._live
+        if cache is None or cache[0] != len(self.holes) or cache[1] > n_entries:
+            have = set(self.holes)
+            self._live = cache = (len(self.holes), n_entries, [i for i in range(n_entries) if i not in have])
+        elif cache[1] < n_entries:
+            cache[2].extend(range(cache[1], n_entries))
+            self._live = cache = (cache[0], n_entries, cache[2])
+        return cache[2]
 
 
 def live_blocks_cover(logical_len: int, evicted: int, block_size: int) -> bool:
