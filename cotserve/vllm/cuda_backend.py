@@ -38,6 +38,7 @@ from vllm.v1.attention.backends.flash_attn import (
 from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
 from cotserve.vllm.graph_sfi import GraphSFI
+from cotserve.vllm.requests import ROWS as ROWS_
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -94,6 +95,11 @@ class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         cm = common_attn_metadata
+        from cotserve.vllm.runtime_access import steer_for
+
+        steer = steer_for(self.vllm_config)
+        if steer is not None:
+            steer.plan(ROWS_, cm)
         if self.evict is not None:
             from cotserve.vllm.models import HIDDEN
             from cotserve.vllm.requests import ROWS

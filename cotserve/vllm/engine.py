@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cotserve.engine.native import Completion, Delta, GenRequest
-from cotserve.errors import ModelError, RequestError
+from cotserve.errors import ModelError, PolicyError, RequestError
 from cotserve.policies.base import PolicyStack
 from cotserve.vllm.requests import request_policy_of
 
@@ -99,6 +100,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
         if dev.type == "cuda":
             kwargs["attention_backend"] = "CUSTOM"  # the cotserve plugin's backend
+        self.steering_vector = self._steering_vector(model)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cotserve-vllm-loop", daemon=True)
         self.thread.start()
@@ -106,6 +108,22 @@ class VLLMEngine:
         self.max_positions = self.llm.model_config.max_model_len
         self.model_name = str(path)
         log.info("vllm engine ready: %s (max_model_len %d)", path, self.max_positions)
+
+    @staticmethod
+    def _steering_vector(model: str) -> str | None:
+        """The engine's steering vector: $COTSERVE_VLLM_STEERING_VECTOR, else the one shipped for the
+        model (set in the environment, where vLLM's engine processes read it), else none."""
+        from cotserve.policies.steering import SteeringConfig, resolve_vector
+        from cotserve.vllm.steer_runtime import VECTOR_ENV
+
+        if os.environ.get(VECTOR_ENV):
+            return os.environ[VECTOR_ENV]
+        try:
+            path = str(resolve_vector(SteeringConfig(), model).path)
+        except PolicyError:
+            return None
+        os.environ[VECTOR_ENV] = path
+        return path
 
     @staticmethod
     async def _start(cls, args):
@@ -123,9 +141,11 @@ class VLLMEngine:
             raise RequestError(f"prompt has {n} tokens; this engine's context is {self.max_positions}",
                                field="messages", code="context_length_exceeded")
 
-    @staticmethod
-    def check_policy(stack: PolicyStack) -> None:
-        request_policy_of(policy_extra_args(stack))
+    def check_policy(self, stack: PolicyStack) -> None:
+        pol = request_policy_of(policy_extra_args(stack))
+        if pol.steer is not None and getattr(self, "steering_vector", None) is None:
+            raise PolicyError("this vllm engine has no steering vector: none is shipped for its model; build one "
+                              "with `cotserve build-steering` and start it with $COTSERVE_VLLM_STEERING_VECTOR set")
 
     def _params(self, req: GenRequest, extra: dict[str, Any] | None):
         from vllm import SamplingParams

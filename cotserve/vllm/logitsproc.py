@@ -43,7 +43,7 @@ class RowTracker(LogitsProcessor):
                 pol = RequestPolicy()
             prompt = list(prompt_ids or [])
             # a request resumed after a preemption prefills its prompt and its output so far
-            self.rows.add(index, RowRequest(prompt, output_ids, sfi=pol.sfi, evict=pol.evict,
+            self.rows.add(index, RowRequest(prompt, output_ids, sfi=pol.sfi, evict=pol.evict, steer=pol.steer,
                                             prefill_len=len(prompt) + len(output_ids or [])))
         for src, dst, direction in batch_update.moved:
             self.rows.move(src, dst, direction == MoveDirectionality.SWAP)

@@ -1,6 +1,7 @@
-"""vLLM's own model classes with one addition: the last layer's final-norm hidden states of every
+"""vLLM's own model classes with two additions: the last layer's final-norm hidden states of every
 step are copied into a persistent buffer (`HIDDEN`), where SkipKV's sentence tracking reads them
-at the next step. Registered over vLLM's classes through its model registry (`register_models`),
+at the next step; and, when the engine has a steering vector, a hook on its layer steers the
+tokens `steer_runtime` marks (`steer_runtime.install`). Registered over vLLM's classes through its model registry (`register_models`),
 so vLLM's model code is used as it is; the copy is a tensor op, so it is part of a captured CUDA
 graph like the rest of the forward.
 """
@@ -47,13 +48,19 @@ HIDDEN = HiddenBuffer()
 
 
 def _wrapped(base: type) -> type:
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        from cotserve.vllm.steer_runtime import install
+
+        install(self, vllm_config)  # the steering hook, when the engine has a vector
+
     def forward(self, *args, **kwargs):
         out = base.forward(self, *args, **kwargs)
         if isinstance(out, torch.Tensor):
             HIDDEN.capture(out)
         return out
 
-    return type("Cotserve" + base.__name__, (base,), {"forward": forward, "__module__": __name__,
+    return type("Cotserve" + base.__name__, (base,), {"__init__": __init__, "forward": forward, "__module__": __name__,
                                                       "__doc__": f"vLLM's {base.__name__} + final hidden states."})
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from cotserve.errors import PolicyError
 
 # Policies the vLLM engine runs per request; anything else is refused when the request arrives.
-VLLM_POLICIES = ("dense", "sfi", "rkv", "skipkv", "streamingllm")
+VLLM_POLICIES = ("dense", "sfi", "rkv", "skipkv", "streamingllm", "steering")
 # The eviction policies among them (physical eviction into vLLM's block pool, `evict_runtime`).
 VLLM_EVICTION = ("rkv", "skipkv", "streamingllm")
 # The most observation queries (`window`) an eviction request may ask for on vLLM (its ring size).
@@ -32,6 +32,7 @@ class RowRequest:
     output_ids: list[int]  # vLLM's live list: grows as tokens are sampled
     sfi: Any = None  # SFIConfig when the request asked for SFI
     evict: Any = None  # the native eviction policy object when the request asked for one
+    steer: Any = None  # the native steering policy object when the request asked for it
     prefill_len: int = 0  # tokens its prefill computes (the prompt; after a preemption, also the output so far)
     slot: int = -1  # SFI state slot (`sfi_runtime.SFIRuntime`), assigned by the backend
     state: Any = None  # the backend's per-request state
@@ -89,6 +90,7 @@ class RequestPolicy:
 
     sfi: Any = None
     evict: Any = None
+    steer: Any = None
 
 
 def request_policy_of(extra_args: dict[str, Any] | None) -> RequestPolicy:
@@ -114,6 +116,12 @@ def request_policy_of(extra_args: dict[str, Any] | None) -> RequestPolicy:
             if window > MAX_EVICT_WINDOW:
                 raise PolicyError(f"{part.name} option window={window} exceeds {MAX_EVICT_WINDOW} on the vllm engine")
             out.evict = part
+        elif part.name == "steering":
+            if part.config.vector or part.config.layer >= 0:
+                raise PolicyError("steering options vector and layer are the engine's on the vllm engine (the vector "
+                                  "shipped for the model, or $COTSERVE_VLLM_STEERING_VECTOR); a request sets alpha0, "
+                                  "gamma, enabled and thought_rules")
+            out.steer = part
     if out.sfi is not None and out.evict is not None:
         raise PolicyError(f"{out.evict.name}+sfi is not available on the vllm engine yet (each runs alone there); "
                           "use --engine native for the combination")

@@ -102,6 +102,21 @@ def evict_for(vllm_config, device: torch.device, force: bool = False, slots: int
     return _EVICT
 
 
+_STEER = None
+
+
+def steer_for(vllm_config):
+    """The steering runtime once the model has a steering hook (None otherwise)."""
+    global _STEER
+    from cotserve.vllm import steer_runtime
+
+    if steer_runtime.BUFFERS is None:
+        return None
+    if _STEER is None:
+        _STEER = steer_runtime.SteerRuntime(_tokenizer(vllm_config.model_config))
+    return _STEER
+
+
 def _tokenizer(mc):
     if getattr(mc, "skip_tokenizer_init", False):
         return None

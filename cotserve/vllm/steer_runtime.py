@@ -1,0 +1,194 @@
+"""Adaptive steering (SkipKV Sec. 4.2, SEAL's vector) per request inside vLLM's model.
+
+The engine holds one steering vector (a `cotserve build-steering` file: `$COTSERVE_VLLM_STEERING_VECTOR`,
+which `cotserve serve --engine vllm` sets to the vector shipped for the served model when there is
+one) at its layer L. `install(model, vllm_config)` (called by cotserve's model classes, `models.py`)
+puts a forward pre-hook on decoder layer L that subtracts `coef[j] * v` from the hidden state of
+token `idx[j]` entering the layer; `idx` and `coef` are persistent tensors of `max_num_seqs`
+entries (unused ones add zero to token 0), so the hook is the same launch at every step and is
+captured in CUDA graphs like the rest of the forward.
+
+Per step, before the forward (`SteerRuntime.plan`, from the attention metadata builder), each
+decode row of a request with the `steering` policy feeds its tokens to the native policy's thought
+follower (`policies.steering.SlotThoughts`: blank-line boundaries, `<think>` region, thought rules);
+at a boundary the row's token gets alpha_t = alpha0 + gamma * N_o, N_o its non-execution thoughts
+so far, exactly as the native `SteeringPolicy.steer` does. The prompt is never steered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cotserve.vllm.requests import BatchRows, RowRequest
+from cotserve.vllm.telemetry import write_telemetry
+
+log = logging.getLogger(__name__)
+
+VECTOR_ENV = "COTSERVE_VLLM_STEERING_VECTOR"
+LAYER_ENV = "COTSERVE_VLLM_STEERING_LAYER"
+
+
+@dataclass
+class SteerBuffers:
+    """The hook's persistent inputs (on the model's device)."""
+
+    layer: int
+    vector: torch.Tensor  # [H], model dtype
+    idx: torch.Tensor  # [S] long: token index in the step's flat batch
+    coef: torch.Tensor  # [S] model dtype: alpha_t, 0 for unused entries
+
+
+BUFFERS: SteerBuffers | None = None
+
+
+def engine_vector():
+    """The engine's steering vector (`policies.steering.SteeringVector`) and layer, or None."""
+    path = os.environ.get(VECTOR_ENV)
+    if not path:
+        return None
+    from cotserve.policies.steering import load_vector
+
+    sv = load_vector(path)
+    layer = int(os.environ.get(LAYER_ENV, sv.layer))
+    if layer < 0:
+        raise ValueError(f"steering vector {path} does not record its layer; set {LAYER_ENV}")
+    return sv, layer
+
+
+def _decoder_layers(model) -> list:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise RuntimeError(f"{type(model).__name__}: no decoder layers at .model.layers to steer")
+    return list(layers)
+
+
+def install(model, vllm_config) -> None:
+    """Put the steering hook on the model's layer L when the engine has a vector (else nothing)."""
+    global BUFFERS
+    got = engine_vector()
+    if got is None:
+        return
+    sv, layer = got
+    layers = _decoder_layers(model)
+    hidden = vllm_config.model_config.get_hidden_size()
+    if sv.vector.numel() != hidden or not 0 <= layer < len(layers):
+        raise ValueError(f"steering vector {sv.path} (size {sv.vector.numel()}, layer {layer}) does not fit this "
+                         f"model (hidden size {hidden}, {len(layers)} layers)")
+    s = vllm_config.scheduler_config.max_num_seqs
+    dtype = vllm_config.model_config.dtype
+    dev = next(model.parameters()).device
+    target = layers[layer]
+    target.register_buffer("cotserve_steer_vector", sv.vector.to(device=dev, dtype=dtype), persistent=False)
+    target.register_buffer("cotserve_steer_idx", torch.zeros(s, dtype=torch.long, device=dev), persistent=False)
+    target.register_buffer("cotserve_steer_coef", torch.zeros(s, dtype=dtype, device=dev), persistent=False)
+
+    def pre_hook(module, args, kwargs):
+        if "hidden_states" in kwargs:
+            h = kwargs["hidden_states"]
+        else:
+            h = args[1]
+        delta = module.cotserve_steer_coef.unsqueeze(1) * module.cotserve_steer_vector.unsqueeze(0)
+        h = h.index_add(0, module.cotserve_steer_idx.clamp(max=h.shape[0] - 1), -delta.to(h.dtype))
+        if "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": h}
+        else:
+            args = (args[0], h, *args[2:])
+        return args, kwargs
+
+    target.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    BUFFERS = SteerBuffers(layer, target.cotserve_steer_vector, target.cotserve_steer_idx, target.cotserve_steer_coef)
+    log.info("steering: vector %s at layer %d", sv.path, layer)
+
+
+@dataclass
+class SteerState:
+    thoughts: Any  # policies.steering.SlotThoughts
+    knobs: Any  # policies.steering._Knobs
+    fed: int = 0  # tokens of prompt + output fed so far
+    applications: int = 0
+    alpha_sum: float = 0.0
+
+
+class SteerRuntime:
+    def __init__(self, tokenizer):
+        from cotserve.policies.boundaries import thought_delimiter_ids
+        from cotserve.policies.steering import think_ids
+
+        self.tok = tokenizer
+        self.delims = thought_delimiter_ids(tokenizer) if tokenizer is not None else frozenset()
+        self.think = think_ids(tokenizer) if tokenizer is not None else (None, None)
+        self.states: dict[int, tuple[RowRequest, SteerState]] = {}
+        self.active = False
+
+    def plan(self, rows: BatchRows, cm) -> None:
+        """Fill the hook's entries for this step (see the module docstring)."""
+        buf = BUFFERS
+        reqs = [(i, r) for i, r in rows.rows.items() if r.steer is not None and i < cm.num_reqs]
+        self._release(rows)
+        if buf is None or (not reqs and not self.active):
+            return
+        qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+        s = buf.idx.shape[0]
+        idx = torch.zeros(s, dtype=torch.long)
+        coef = torch.zeros(s, dtype=torch.float32)
+        n = 0
+        for i, req in reqs:
+            st = self._state(req)
+            tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
+            total = len(req.prompt_ids) + len(req.output_ids)
+            if ntok != 1 or total <= req.prefill_len:  # prefill: the prompt is not steered
+                continue
+            new = req.output_ids[st.fed - len(req.prompt_ids):] if st.fed >= len(req.prompt_ids) else \
+                (req.prompt_ids + list(req.output_ids))[st.fed:]
+            at = False
+            for t in new:
+                st.thoughts._think(t)
+                st.thoughts.tracker.push(t)
+                at = st.thoughts.tracker.at_boundary and st.thoughts.region != "after"
+            st.fed = total
+            st.thoughts.consumed = total
+            if at and st.knobs.enabled and n < s:
+                a = st.knobs.alpha0 + st.knobs.gamma * st.thoughts.tracker.non_execution
+                idx[n], coef[n] = tok, a
+                st.applications += 1
+                st.alpha_sum += a
+                n += 1
+                self._report(req, st)
+        self.active = bool(reqs)
+        buf.idx.copy_(idx, non_blocking=True)
+        buf.coef.copy_(coef.to(buf.coef.dtype), non_blocking=True)
+
+    def _state(self, req: RowRequest) -> SteerState:
+        key = id(req)
+        got = self.states.get(key)
+        if got is not None and got[0] is req:
+            return got[1]
+        from cotserve.policies.steering import SlotThoughts, request_knobs
+        from cotserve.policies.thoughts import load_rules
+
+        cfg = req.steer.config
+        prompt = req.prompt_ids
+        th = SlotThoughts(self.tok, self.delims, prompt, self.think, load_rules(cfg.thought_rules))
+        st = SteerState(th, request_knobs(cfg, None), fed=len(prompt))
+        self.states[key] = (req, st)
+        return st
+
+    def _release(self, rows: BatchRows) -> None:
+        live = {id(r) for r in rows.rows.values()}
+        for key in [k for k in self.states if k not in live]:
+            self.states.pop(key)
+
+    @staticmethod
+    def _report(req: RowRequest, st: SteerState) -> None:
+        """The request's counts so far, one JSON line per steered token (the last line of a request
+        is its total): a request may leave the batch without another step to report it."""
+        n = st.applications
+        write_telemetry({"steering": {"request": id(req), "steering_applications": n,
+                                      "steering_alpha_mean": round(st.alpha_sum / n, 6),
+                                      "steering_non_execution": st.thoughts.tracker.non_execution}})
