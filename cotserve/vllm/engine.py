@@ -24,6 +24,7 @@ from typing import Any
 from cotserve.engine.native import Completion, Delta, GenRequest
 from cotserve.errors import ModelError, RequestError
 from cotserve.policies.base import PolicyStack
+from cotserve.vllm.kv_capacity import KVCapacity
 from cotserve.vllm.requests import request_policy_of
 
 # vLLM's scheduler plus the block side of physical eviction (`scheduler.py`)
@@ -102,14 +103,21 @@ class VLLMEngine:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cotserve-vllm-loop", daemon=True)
         self.thread.start()
-        self.llm = self._run(self._start(AsyncLLM, AsyncEngineArgs(**kwargs)))
+        self.kv = KVCapacity()  # vLLM's per-step KV usage, through a stat logger (`free_kv_tokens`)
+        self.llm = self._run(self._start(AsyncLLM, AsyncEngineArgs(**kwargs), self.kv.logger_factory()))
+        self.kv.bind(self.llm.vllm_config)
         self.max_positions = self.llm.model_config.max_model_len
         self.model_name = str(path)
         log.info("vllm engine ready: %s (max_model_len %d)", path, self.max_positions)
 
     @staticmethod
-    async def _start(cls, args):
-        return cls.from_engine_args(args)
+    async def _start(cls, args, stat_logger):
+        return cls.from_engine_args(args, stat_loggers=[stat_logger])
+
+    def free_kv_tokens(self) -> int | None:
+        """Free KV capacity in tokens as of vLLM's last step (None: unknown); the worker claims
+        groups within it (`Worker.claim_group`)."""
+        return self.kv.free_tokens()
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
