@@ -106,6 +106,10 @@ def test_kv_capacity_logger_records_vllms_scheduler_stats():
     assert cap.free_tokens() == 80
     logger.record(None, None, engine_idx=0)  # iteration-only records leave the usage as it was
     assert cap.free_tokens() == 80
+    # `attach` hands the logger to from_engine_args (a stand-in for AsyncLLM's, which would start vLLM)
+    started = cap.attach(SimpleNamespace(from_engine_args=lambda args, stat_loggers: (args, stat_loggers)))
+    args, loggers = started.from_engine_args("engine-args")
+    assert args == "engine-args" and len(loggers) == 1 and issubclass(loggers[0], StatLoggerBase)
 
 
 # -- the worker's claim ---------------------------------------------------------------------------

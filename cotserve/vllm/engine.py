@@ -104,20 +104,15 @@ class VLLMEngine:
         self.thread = threading.Thread(target=self.loop.run_forever, name="cotserve-vllm-loop", daemon=True)
         self.thread.start()
         self.kv = KVCapacity()  # vLLM's per-step KV usage, through a stat logger (`free_kv_tokens`)
-        self.llm = self._run(self._start(AsyncLLM, AsyncEngineArgs(**kwargs), self.kv.logger_factory()))
+        self.llm = self._run(self._start(self.kv.attach(AsyncLLM), AsyncEngineArgs(**kwargs)))
         self.kv.bind(self.llm.vllm_config)
         self.max_positions = self.llm.model_config.max_model_len
         self.model_name = str(path)
         log.info("vllm engine ready: %s (max_model_len %d)", path, self.max_positions)
 
     @staticmethod
-    async def _start(cls, args, stat_logger):
-        return cls.from_engine_args(args, stat_loggers=[stat_logger])
-
-    def free_kv_tokens(self) -> int | None:
-        """Free KV capacity in tokens as of vLLM's last step (None: unknown); the worker claims
-        groups within it (`Worker.claim_group`)."""
-        return self.kv.free_tokens()
+    async def _start(cls, args):
+        return cls.from_engine_args(args)
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -225,6 +220,11 @@ class VLLMEngine:
                 if d.result is not None:
                     results[d.request_id] = d.result
         return [results[r.request_id] for r in requests]
+
+    def free_kv_tokens(self) -> int | None:
+        """Free KV capacity in tokens as of vLLM's last step (None: unknown); the worker claims
+        groups within it (`Worker.claim_group`)."""
+        return self.kv.free_tokens()
 
     def close(self) -> None:
         try:

@@ -2,7 +2,8 @@
 
 vLLM V1 hands every engine step's `SchedulerStats` to the stat loggers of its `AsyncLLM`
 (`stat_loggers=[factory]` in `AsyncLLM.from_engine_args`; custom loggers turn stats on even with
-`disable_log_stats`). `KVCapacity.logger_factory()` is such a factory: its logger keeps the latest
+`disable_log_stats`). `KVCapacity.logger_factory()` is such a factory (`attach` passes it to
+`from_engine_args`): its logger keeps the latest
 `kv_cache_usage` (the fraction of KV blocks in use after the step; finished requests' blocks are
 already back) per engine. The total is the KV cache vLLM allocated at startup, num_gpu_blocks *
 block_size tokens from `vllm_config.cache_config`, so
@@ -16,7 +17,9 @@ empty, so the figure is an upper bound on what new requests can use.
 
 from __future__ import annotations
 
+import functools
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -78,3 +81,9 @@ class KVCapacity:
                 pass
 
         return KVCapacityLogger
+
+    def attach(self, async_llm_cls: Any) -> Any:
+        """vLLM's `AsyncLLM` as far as starting it goes: `from_engine_args(args)` with this
+        object's stat logger passed in `stat_loggers`."""
+        return SimpleNamespace(from_engine_args=functools.partial(async_llm_cls.from_engine_args,
+                                                                  stat_loggers=[self.logger_factory()]))
