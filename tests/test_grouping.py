@@ -50,3 +50,11 @@ def test_closest_in_length_takes_the_anchor_then_its_neighbours():
     assert closest_in_length(("o", 10), [], 3) == ["o"]
     assert closest_in_length(("o", 10), others, 99)[-1] == "d"  # everything, farthest last
     assert closest_in_length(("o", 10), [("long", 12), ("short", 8)], 2) == ["o", "short"]
+
+
+def test_closest_in_length_with_a_budget_ends_at_the_first_neighbour_that_does_not_fit():
+    others = [("a", 9), ("b", 11), ("c", 8)]
+    cost = {"o": 10, "a": 9, "b": 30, "c": 8}.__getitem__
+    assert closest_in_length(("o", 10), others, 9, budget=40, need=cost) == ["o", "a"]  # b (30) ends it
+    assert closest_in_length(("o", 10), others, 9, budget=100, need=cost) == ["o", "a", "b", "c"]
+    assert closest_in_length(("o", 10), others, 9, budget=1, need=cost) == ["o"]  # the anchor always

@@ -203,3 +203,86 @@ def test_publish_repeated_after_a_lost_reply_writes_nothing_twice(queue):
     assert queue.published(job.id) == [a, b, c, c]
     assert not queue.publish("other", claimed.id, [a], 4)  # not the owner: refused, nothing written
     assert len(queue.published(job.id)) == 4
+
+
+# -- claims bounded by a KV token budget (each job counts `kv_need`: prompt_len + max_tokens here) --
+def _sized(n: int, created: float, max_tokens: int = 10, **kw) -> Job:
+    return Job(prompt_ids=[1] * n, sampling={"max_tokens": max_tokens}, created=created, **kw)
+
+
+def test_pick_group_with_a_token_budget_stops_at_the_first_neighbour_that_does_not_fit():
+    others = [("a", 5), ("b", 12), ("c", 9), ("d", 30), ("e", 11)]
+    need = {"o": 20, "a": 15, "b": 22, "c": 19, "d": 40, "e": 21}
+    assert pick_group(("o", 10), others, 6, 60, need) == ["o", "c", "e"]  # 20 + 19 + 21; b (22) is over
+    assert pick_group(("o", 10), others, 2, 1000, need) == ["o", "c"]  # the count still caps it
+    assert pick_group(("o", 10), others, 6, 5, need) == ["o"]  # the oldest alone, even over the budget
+    assert pick_group(("o", 10), others, 6, None, need) == pick_group(("o", 10), others, 6)
+
+
+def test_claim_with_a_token_budget_takes_neighbours_in_length_order(queue):
+    t0 = time.time() - 100
+    oldest = submit(queue, _sized(50, t0))  # need 60
+    near = [submit(queue, _sized(n, t0 + 1 + i)) for i, n in enumerate((48, 53, 40, 70))]  # 58, 63, 50, 80
+    got = queue.claim("w1", 8, 0.0, max_tokens=190)  # 60 + 58 + 63 = 181; the next (40: 50) is over
+    assert [j.id for j in got] == [oldest.id, near[0].id, near[1].id]
+    assert sum(j.prompt_len + j.sampling["max_tokens"] for j in got) <= 190
+    # the rest: oldest now 40 (need 50), then 70 (80); the count caps at 1
+    assert [j.id for j in queue.claim("w1", 1, 0.0, max_tokens=10_000)] == [near[2].id]
+    assert [j.id for j in queue.claim("w1", 8, 0.0, max_tokens=10_000)] == [near[3].id]
+    assert queue.claim("w1", 8, 0.0, max_tokens=10_000) == []
+
+
+def test_claim_with_a_token_budget_always_takes_one_job(queue):
+    t0 = time.time() - 100
+    big = submit(queue, _sized(500, t0, max_tokens=500))
+    small = submit(queue, _sized(10, t0 + 1))
+    assert [j.id for j in queue.claim("w1", 8, 0.0, max_tokens=100)] == [big.id]  # 1000 > 100: alone
+    assert [j.id for j in queue.claim("w1", 8, 0.0, max_tokens=0)] == [small.id]
+
+
+def test_claim_with_a_token_budget_waits_only_while_the_group_can_grow(queue):
+    t0 = time.time() - 1
+    a = submit(queue, _sized(50, t0))
+    b = submit(queue, _sized(52, t0 + 0.5))
+    # both fit and there is room for more: the group may still fill, so nothing yet
+    assert queue.claim("w1", 8, 60.0, max_tokens=1000) == []
+    # the budget is what limits the group: full, claimed at once
+    assert [j.id for j in queue.claim("w1", 8, 60.0, max_tokens=100)] == [a.id]
+    assert [j.id for j in queue.claim("w1", 8, 0.0, max_tokens=1000)] == [b.id]
+
+
+def test_claim_with_a_token_budget_counts_n_and_eviction_bounds(queue):
+    t0 = time.time() - 100
+    opts = {"budget": 64, "interval": 16}
+    a = submit(queue, Job(prompt_ids=[1] * 20, sampling={"max_tokens": 1000}, policy="skipkv", options=opts,
+                          created=t0))  # 20 + min(1000, 80) = 100
+    b = submit(queue, Job(prompt_ids=[1] * 21, sampling={"max_tokens": 1000}, policy="skipkv", options=opts,
+                          created=t0 + 1))  # 101
+    c = submit(queue, Job(prompt_ids=[1] * 22, sampling={"max_tokens": 1000, "n": 2}, policy="skipkv",
+                          options=opts, created=t0 + 2))  # 2 * 102 = 204
+    assert [j.id for j in queue.claim("w1", 8, 0.0, max_tokens=300)] == [a.id, b.id]  # c would make 405
+    assert [j.id for j in queue.claim("w1", 8, 0.0, max_tokens=300)] == [c.id]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_claim_with_a_token_budget_matches_pick_group(queue, seed):
+    from cotserve.queue.base import kv_need
+
+    rng = random.Random(seed)
+    lengths = rng.sample(range(1, 200), 24)
+    jobs = []
+    t0 = time.time() - 100
+    for i, n in enumerate(lengths):
+        jobs.append(submit(queue, _sized(n, t0 + i, max_tokens=rng.randint(1, 100))))
+    remaining = {j.id: j for j in jobs}
+    need = {j.id: kv_need(j) for j in jobs}
+    while remaining:
+        b, budget = rng.randint(1, 6), rng.randint(50, 600)
+        oldest = min(remaining.values(), key=lambda j: j.created)
+        others = [(j.id, j.prompt_len) for j in remaining.values() if j.id != oldest.id]
+        want = pick_group((oldest.id, oldest.prompt_len), others, b, budget, need)
+        got = queue.claim("w1", b, 0.0, max_tokens=budget)
+        assert [j.id for j in got] == want
+        assert len(got) == 1 or sum(need[j.id] for j in got) <= budget
+        for j in got:
+            del remaining[j.id]

@@ -3,7 +3,8 @@
 A job is one chat completion: prompt token ids, sampling settings, the policy spec with its
 options, and timestamps. The gateway `submit`s jobs and reads each job's output stream; workers
 `claim` GROUPS of jobs (the oldest waiting job plus up to B-1 others of the same policy key that are
-closest to it in prompt length, SkipKV Sec. 4.3's length-sorted grouping), `publish` events,
+closest to it in prompt length, SkipKV Sec. 4.3's length-sorted grouping; optionally also bounded by
+a KV token budget, each job counting `kv_need(job)`), `publish` events,
 and `finish` (acknowledge) them. A worker heart-beats; `reap` returns the jobs of a worker whose
 heartbeat stopped to the pending set, where another worker picks them up.
 
@@ -83,12 +84,59 @@ class Job:
         return cls(**d, attempts=attempts, claimed_at=claimed_at)
 
 
-def pick_group(oldest: tuple[str, int], others: list[tuple[str, int]], max_batch: int) -> list[str]:
+# SamplingParams.max_tokens's default (cotserve.engine.sampling, which needs torch): the length a
+# job without `max_tokens` in its sampling settings may generate. A test keeps the two equal.
+DEFAULT_MAX_TOKENS = 256
+
+# Eviction policies whose KV stays within budget + interval entries after admission, with those
+# options' defaults (`cotserve.policies.options`; the queue sits below the policies, so they are
+# repeated here and a test keeps them equal).
+EVICTION_DEFAULTS: dict[str, tuple[int, int]] = {
+    "skipkv": (1024, 128), "rkv": (1024, 128), "streamingllm": (1024, 1), "h2o": (1024, 1)}
+
+
+def _int_option(options: dict[str, Any], policy: str, name: str, default: int) -> int | None:
+    """`policy.name`, else `name`, else the default (a part-qualified option wins, as in routing)."""
+    value = options.get(f"{policy}.{name}", options.get(name, default))
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def kv_need(job: Job) -> int:
+    """The KV tokens a job may hold at its peak, the cost a token-bounded claim counts:
+    n * (prompt_len + decode), where decode is the job's `max_tokens` (DEFAULT_MAX_TOKENS when
+    unset) and n its sequences (`n`, one cache each). Under an eviction policy with a `budget`
+    and an `interval` (skipkv, rkv, streamingllm, h2o) a sequence keeps about prompt_len entries
+    at admission and at most budget + interval afterwards, so decode is capped at budget +
+    interval. An estimate, not vLLM's block accounting (blocks round each sequence up)."""
+    s = job.sampling
+    max_tokens = s.get("max_tokens")
+    decode = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else DEFAULT_MAX_TOKENS
+    for part in (p.strip() for p in (job.policy or "").split("+")):
+        if part in EVICTION_DEFAULTS:
+            budget, interval = EVICTION_DEFAULTS[part]
+            b, i = _int_option(job.options, part, "budget", budget), _int_option(job.options, part, "interval", interval)
+            if b is not None and i is not None and b > 0 and i > 0:
+                decode = min(decode, b + i)
+    n = s.get("n")
+    copies = n if isinstance(n, int) and n > 1 else 1
+    return copies * (job.prompt_len + decode)
+
+
+def pick_group(oldest: tuple[str, int], others: list[tuple[str, int]], max_batch: int,
+               max_tokens: int | None = None, need: dict[str, int] | None = None) -> list[str]:
     """The oldest job plus up to max_batch-1 of `others` closest to it in prompt length
     (ties go to the shorter one; `cotserve.grouping.closest_in_length`). `others` are (id, length)
-    pairs of the same policy key. Plain-Python twin of the Redis claim script, used by the
-    in-process queue and the tests."""
-    return closest_in_length(oldest, others, max_batch)
+    pairs of the same policy key. With `max_tokens` (and `need`: id -> `kv_need`), the group ends
+    at the first neighbour whose need no longer fits the budget; the oldest job is always taken.
+    Plain-Python twin of the Redis claim script, used by the in-process queue and the tests."""
+    if max_tokens is None or need is None:
+        return closest_in_length(oldest, others, max_batch)
+    return closest_in_length(oldest, others, max_batch, max_tokens, need.__getitem__)
 
 
 class JobQueue(abc.ABC):
@@ -126,10 +174,12 @@ class JobQueue(abc.ABC):
 
     # -- worker side (sync) --------------------------------------------------------------
     @abc.abstractmethod
-    def claim(self, worker_id: str, max_batch: int, max_wait: float) -> list[Job]:
+    def claim(self, worker_id: str, max_batch: int, max_wait: float, max_tokens: int | None = None) -> list[Job]:
         """Atomically claim a group (see `pick_group`). Returns [] when nothing is pending, or
-        while fewer than max_batch jobs of the oldest job's policy key wait and the oldest has
-        waited less than max_wait seconds (the group may still fill)."""
+        while the group could still grow (it took every waiting job of the oldest job's policy
+        key, fewer than max_batch, and none was left out for the budget) and the oldest has
+        waited less than max_wait seconds. `max_tokens`: the group's summed `kv_need` stays
+        within it (None: no token bound); the oldest job is claimed even when it alone exceeds it."""
 
     @abc.abstractmethod
     def publish(self, worker_id: str, job_id: str, events: list[dict[str, Any]], after: int | None = None) -> bool:

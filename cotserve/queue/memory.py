@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cotserve.queue.base import Job, JobQueue, QueueFull, pick_group
+from cotserve.queue.base import Job, JobQueue, QueueFull, kv_need, pick_group
 
 
 @dataclass
@@ -91,7 +91,7 @@ class InProcessQueue(JobQueue):
         return True
 
     # -- worker side -----------------------------------------------------------------------
-    def claim(self, worker_id: str, max_batch: int, max_wait: float) -> list[Job]:
+    def claim(self, worker_id: str, max_batch: int, max_wait: float, max_tokens: int | None = None) -> list[Job]:
         with self._lock:
             if not self._pending:
                 return []
@@ -99,9 +99,13 @@ class InProcessQueue(JobQueue):
             oldest = self._jobs[oldest_id].job
             same = [(j, self._jobs[j].job.prompt_len) for j in self._pending
                     if j != oldest_id and self._jobs[j].job.key == oldest.key]
-            if len(same) + 1 < max_batch and time.time() - self._pending[oldest_id] < max_wait:
+            need = None
+            if max_tokens is not None:
+                need = {j: kv_need(self._jobs[j].job) for j in [oldest_id, *(j for j, _ in same)]}
+            ids = pick_group((oldest_id, oldest.prompt_len), same, max_batch, max_tokens, need)
+            # still filling: every waiting job fits and there is room for more
+            if len(ids) == len(same) + 1 < max_batch and time.time() - self._pending[oldest_id] < max_wait:
                 return []
-            ids = pick_group((oldest_id, oldest.prompt_len), same, max_batch)
             now = time.time()
             out = []
             for jid in ids:

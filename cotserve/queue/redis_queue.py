@@ -2,7 +2,8 @@
 heartbeats (ARCHITECTURE.md). Every multi-key change is one Lua script, so it is atomic.
 
 Keys (all under `prefix`, default "cotserve:"):
-  job:{id}           hash: spec (Job JSON), state, pkey, len, enq, worker, attempts, claimed_at, cancel
+  job:{id}           hash: spec (Job JSON), state, pkey, len, need (`kv_need`), enq, worker, attempts,
+                     claimed_at, cancel
   pending            sorted set: id -> enqueue time (finds the oldest waiting job)
   pending:{pkey}     sorted set per policy key: id -> prompt length (finds its length neighbours)
   out:{id}           stream: the job's events
@@ -32,23 +33,26 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable
+from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable, kv_need
 
 SUBMIT = """
 local prefix, id, len, enq, maxp, spec, pkey = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
 if redis.call('ZCARD', prefix .. 'pending') >= maxp then return 0 end
 redis.call('HSET', prefix .. 'job:' .. id, 'spec', spec, 'state', 'pending', 'pkey', pkey, 'len', len,
-           'enq', enq, 'attempts', 0)
+           'need', ARGV[8], 'enq', enq, 'attempts', 0)
 redis.call('ZADD', prefix .. 'pending', enq, id)
 redis.call('ZADD', prefix .. 'pending:' .. pkey, len, id)
 return 1
 """
 
 # The oldest waiting job plus up to B-1 others of its policy key closest to it in prompt length
-# (ties to the shorter one), claimed in one step. Returns {} (nothing / still filling) or
+# (ties to the shorter one), claimed in one step. ARGV[7] is a KV token budget (-1: none): the
+# group then ends at the first neighbour whose `need` no longer fits (the oldest job is always
+# taken; a job without `need` counts its length). Returns {} (nothing / still filling) or
 # {id1, spec1, attempts1, id2, ...}.
 CLAIM = """
 local prefix, B, now, maxwait, wid = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local budget = tonumber(ARGV[7])
 local oldest = redis.call('ZRANGE', prefix .. 'pending', 0, 0, 'WITHSCORES')
 if #oldest == 0 then return {} end
 local oid, ots = oldest[1], tonumber(oldest[2])
@@ -58,7 +62,14 @@ if not pkey then
   return {}
 end
 local lkey = prefix .. 'pending:' .. pkey
-if redis.call('ZCARD', lkey) < B and (now - ots) < maxwait then return {} end
+local waiting = redis.call('ZCARD', lkey)
+if budget < 0 and waiting < B and (now - ots) < maxwait then return {} end
+local function need(id)
+  local k = prefix .. 'job:' .. id
+  return tonumber(redis.call('HGET', k, 'need') or redis.call('HGET', k, 'len')) or 0
+end
+local used = 0
+if budget >= 0 then used = need(oid) end
 local len = tonumber(redis.call('ZSCORE', lkey, oid))
 local rank = redis.call('ZRANK', lkey, oid)
 local below = {}
@@ -71,12 +82,17 @@ while #picked < B do
   if bi >= 1 then db = len - tonumber(below[bi + 1]) end
   if ai <= #above then da = tonumber(above[ai + 1]) - len end
   if db == nil and da == nil then break end
-  if da == nil or (db ~= nil and db <= da) then
-    table.insert(picked, below[bi]); bi = bi - 2
-  else
-    table.insert(picked, above[ai]); ai = ai + 2
+  local from_below = da == nil or (db ~= nil and db <= da)
+  local take = from_below and below[bi] or above[ai]
+  if budget >= 0 then
+    local cost = need(take)
+    if used + cost > budget then break end
+    used = used + cost
   end
+  table.insert(picked, take)
+  if from_below then bi = bi - 2 else ai = ai + 2 end
 end
+if budget >= 0 and #picked == waiting and #picked < B and (now - ots) < maxwait then return {} end
 local out = {}
 for _, id in ipairs(picked) do
   local k = prefix .. 'job:' .. id
@@ -248,7 +264,7 @@ class RedisQueue(JobQueue):
         self._a()
         try:
             ok = await self._ascripts["submit"](args=[self.prefix, job.id, job.prompt_len, job.created,
-                                                       max_pending, job.to_json(), job.key])
+                                                       max_pending, job.to_json(), job.key, kv_need(job)])
         except (redis.RedisError, OSError) as exc:
             raise QueueUnavailable(f"redis: {exc}") from exc
         if not ok:
@@ -303,9 +319,10 @@ class RedisQueue(JobQueue):
 
     # -- worker side -----------------------------------------------------------------------
     @_sync_errors
-    def claim(self, worker_id: str, max_batch: int, max_wait: float) -> list[Job]:
+    def claim(self, worker_id: str, max_batch: int, max_wait: float, max_tokens: int | None = None) -> list[Job]:
         now = time.time()
-        res = self._scripts["claim"](args=[self.prefix, max_batch, now, max_wait, worker_id, self.lease_s])
+        budget = -1 if max_tokens is None else max(0, int(max_tokens))
+        res = self._scripts["claim"](args=[self.prefix, max_batch, now, max_wait, worker_id, self.lease_s, budget])
         return [Job.from_json(res[i + 1], int(res[i + 2]), now) for i in range(0, len(res), 3)]
 
     @_sync_errors

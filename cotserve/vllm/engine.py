@@ -25,6 +25,7 @@ from typing import Any
 from cotserve.engine.native import Completion, Delta, GenRequest
 from cotserve.errors import ModelError, PolicyError, RequestError
 from cotserve.policies.base import PolicyStack
+from cotserve.vllm.kv_capacity import KVCapacity
 from cotserve.vllm.requests import request_policy_of
 
 # vLLM's scheduler plus the block side of physical eviction (`scheduler.py`)
@@ -104,7 +105,9 @@ class VLLMEngine:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cotserve-vllm-loop", daemon=True)
         self.thread.start()
-        self.llm = self._run(self._start(AsyncLLM, AsyncEngineArgs(**kwargs)))
+        self.kv = KVCapacity()  # vLLM's per-step KV usage, through a stat logger (`free_kv_tokens`)
+        self.llm = self._run(self._start(self.kv.attach(AsyncLLM), AsyncEngineArgs(**kwargs)))
+        self.kv.bind(self.llm.vllm_config)
         self.max_positions = self.llm.model_config.max_model_len
         self.model_name = str(path)
         log.info("vllm engine ready: %s (max_model_len %d)", path, self.max_positions)
@@ -237,6 +240,11 @@ class VLLMEngine:
                 if d.result is not None:
                     results[d.request_id] = d.result
         return [results[r.request_id] for r in requests]
+
+    def free_kv_tokens(self) -> int | None:
+        """Free KV capacity in tokens as of vLLM's last step (None: unknown); the worker claims
+        groups within it (`Worker.claim_group`)."""
+        return self.kv.free_tokens()
 
     def close(self) -> None:
         try:

@@ -1,9 +1,11 @@
 """A worker: drives one `NativeEngine` from a `JobQueue`.
 
 Loop: heart-beat (own thread), reap dead workers' jobs now and then, claim a group of jobs with
-the same policy key and similar prompt length, run them as one batch through `engine.stream`,
-publish each step's token deltas, then a final `done` event (usage + telemetry) per job, and
-acknowledge. Cancellation flags are polled between steps; a cancelled job stops decoding at once.
+the same policy key and similar prompt length (at most max_batch jobs and, when the engine reports
+its free KV capacity as vLLM does, at most that many KV tokens), run them as one batch through
+`engine.stream`, publish each step's token deltas, then a final `done` event (usage + telemetry)
+per job, and acknowledge. Cancellation flags are polled between steps; a cancelled job stops
+decoding at once.
 
 Resuming after a worker died mid-job: the job comes back with attempts > 1 and the events the
 dead worker already published are on its stream. Greedy and seeded sampling reproduce the same
@@ -177,7 +179,7 @@ class Worker:
             self._last_reap = now
             for jid in self.queue.reap():
                 log.warning("job %s returned to pending (its worker stopped heart-beating)", jid)
-        jobs = self.queue.claim(self.worker_id, self.max_batch, self.max_wait)
+        jobs = self.claim_group()
         if jobs:
             self._running = {j.id for j in jobs}
             try:
@@ -187,6 +189,28 @@ class Worker:
                 self._stream_len.clear()
                 self._last_token_at.clear()
         return len(jobs)
+
+    def kv_budget(self) -> int | None:
+        """The engine's free KV capacity in tokens when it reports one (`VLLMEngine.free_kv_tokens`),
+        else None."""
+        report = getattr(self.engine, "free_kv_tokens", None)
+        if not callable(report):
+            return None
+        try:
+            free = report()
+        except Exception:  # a capacity report must never stop the worker: claim by count
+            log.warning("the engine's KV capacity report failed", exc_info=True)
+            return None
+        return None if free is None else max(0, int(free))
+
+    def claim_group(self) -> list[Job]:
+        """Claim the next length-sorted group: at most max_batch jobs and, when the engine reports
+        its free KV capacity, at most that many KV tokens (`queue.base.kv_need` per job; a single
+        job larger than that is still claimed)."""
+        budget = self.kv_budget()
+        if budget is None:
+            return self.queue.claim(self.worker_id, self.max_batch, self.max_wait)
+        return self.queue.claim(self.worker_id, self.max_batch, self.max_wait, max_tokens=budget)
 
     # -- one group -------------------------------------------------------------------------
     def _publish(self, job_id: str, events: list[dict[str, Any]]) -> bool:
