@@ -118,6 +118,8 @@ class EvictRuntime:
         self.writes[1].fill_(slots)
         self.w_tok, self.w_slot, self.w_idx = self.writes[0], self.writes[1], self.writes[2]
         self.free = list(range(slots))
+        self.owner: dict[int, RowRequest] = {}  # slot -> the request in the batch that holds it
+        self.orphans: dict[int, tuple[list, EvictState]] = {}  # id(output list) -> (the list, state)
         self.active = False  # any evicting request this step
         # cumulative cost, reported with each finished request (`bench capacity` reads it)
         self.plan_s = 0.0  # host time in `plan`, compactions included
@@ -138,6 +140,10 @@ class EvictRuntime:
     def _plan(self, rows: BatchRows, cm, block_size: int, kv_caches: list[torch.Tensor], paged: PagedRW,
               hidden: torch.Tensor | None):
         reqs = [(i, r) for i, r in rows.rows.items() if r.evict is not None and i < cm.num_reqs]
+        present = {id(r) for r in rows.rows.values()}
+        leaving = [r for r in self.owner.values() if id(r) not in present]
+        # the last forward's hidden states, for the requests in it (those leaving the batch too)
+        self._feed_hidden([r for _, r in reqs] + leaving, hidden)
         self._release(rows)
         if not reqs:
             if self.active:  # point last step's ring writes at the scratch slot
@@ -151,9 +157,8 @@ class EvictRuntime:
         new_lens = list(lens)
         rows_now: list[tuple[int, RowRequest, EvictState, int, int]] = []  # (row, req, state, tok, ntok)
         groups: dict[tuple, list[tuple[RowRequest, EvictState, torch.Tensor]]] = {}
-        self._feed_hidden([r for _, r in reqs], hidden)
         for i, req in reqs:
-            st = req.evict_state if req.evict_state is not None else self._admit(req)
+            st = req.evict_state if req.evict_state is not None else self._reattach(req) or self._admit(req)
             if st is None:
                 continue
             tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
@@ -204,6 +209,11 @@ class EvictRuntime:
         return cm
 
     def _admit(self, req: RowRequest) -> EvictState | None:
+        if not self.free and self.orphans:  # reclaim the slot of the request that left longest ago
+            _, (_, old) = next(iter(self.orphans.items()))
+            self.orphans.pop(next(iter(self.orphans)))
+            self.owner.pop(old.slot, None)
+            self.free.append(old.slot)
         if not self.free:
             log.error("eviction: all %d slots in use; this request decodes densely", self.slots)
             req.evict = None
@@ -213,19 +223,36 @@ class EvictRuntime:
         if pol.name == "skipkv":
             st.track = SentenceTrack(self.delims, pol.config.sentence_threshold)
         req.evict_state = st
+        self.owner[st.slot] = req
+        return st
+
+    def _reattach(self, req: RowRequest) -> EvictState | None:
+        """The state of a request that left the batch and came back (vLLM removes a running request
+        from its persistent batch in a step that does not schedule it, and re-adds it later with
+        the same output list): its compactions and blocks are the scheduler's still."""
+        got = self.orphans.pop(id(req.output_ids), None)
+        if got is None or got[0] is not req.output_ids:
+            return None
+        st = got[1]
+        req.evict_state = st
+        self.owner[st.slot] = req
         return st
 
     def _restart(self, req: RowRequest) -> EvictState:
         self.free.append(req.evict_state.slot)
+        self.owner.pop(req.evict_state.slot, None)
         req.evict_state = None
         req.prefill_len = len(req.prompt_ids) + len(req.output_ids)
         return self._admit(req)
 
     def _release(self, rows: BatchRows) -> None:
-        held = {r.evict_state.slot for r in rows.rows.values() if r.evict_state is not None}
-        gone = set(range(self.slots)) - set(self.free) - held
-        for s in gone:
-            self.free.append(s)
+        """A request that left the batch keeps its slot and state as an orphan (it may come back);
+        an orphan's slot is reclaimed when a new request finds no free slot."""
+        present = {id(r) for r in rows.rows.values()}
+        gone = [slot for slot, r in self.owner.items() if id(r) not in present]
+        for slot in gone:
+            r = self.owner.pop(slot)
+            self.orphans[id(r.output_ids)] = (r.output_ids, r.evict_state)
         if gone:
             write_telemetry({"evict_runtime": {"plan_host_s": round(self.plan_s, 3),
                                                "compact_s": round(self.compact_s, 3),

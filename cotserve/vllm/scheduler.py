@@ -68,6 +68,9 @@ class EvictingScheduler(Scheduler):
             ledger.after_step(before + ntok)
         for gone in [r for r in self._ledgers if r not in self.requests]:
             self._finish(gone)
+        if len(self._evict_policy) > 2 * len(self.requests) + 64:  # requests that left without a ledger
+            for gone in [r for r in self._evict_policy if r not in self.requests]:
+                self._evict_policy.pop(gone)
         if self._stats is not None:
             self._stats.write(f"{len(self.running)} {len(self.waiting)} "
                               f"{self.kv_cache_manager.block_pool.get_num_free_blocks()} {self._preemptions}\n")

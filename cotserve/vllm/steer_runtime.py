@@ -123,7 +123,7 @@ class SteerRuntime:
         self.tok = tokenizer
         self.delims = thought_delimiter_ids(tokenizer) if tokenizer is not None else frozenset()
         self.think = think_ids(tokenizer) if tokenizer is not None else (None, None)
-        self.states: dict[int, tuple[RowRequest, SteerState]] = {}
+        self.states: dict[int, tuple[list, SteerState]] = {}  # id(output list) -> (the list, state)
         self.active = False
 
     def plan(self, rows: BatchRows, cm) -> None:
@@ -165,9 +165,11 @@ class SteerRuntime:
         buf.coef.copy_(coef.to(buf.coef.dtype), non_blocking=True)
 
     def _state(self, req: RowRequest) -> SteerState:
-        key = id(req)
+        # keyed by the request's output list: vLLM keeps it when a request leaves the batch for a
+        # step and comes back, so the thought state survives that
+        key = id(req.output_ids)
         got = self.states.get(key)
-        if got is not None and got[0] is req:
+        if got is not None and got[0] is req.output_ids:
             return got[1]
         from cotserve.policies.steering import SlotThoughts, request_knobs
         from cotserve.policies.thoughts import load_rules
@@ -176,13 +178,14 @@ class SteerRuntime:
         prompt = req.prompt_ids
         th = SlotThoughts(self.tok, self.delims, prompt, self.think, load_rules(cfg.thought_rules))
         st = SteerState(th, request_knobs(cfg, None), fed=len(prompt))
-        self.states[key] = (req, st)
+        self.states[key] = (req.output_ids, st)
         return st
 
     def _release(self, rows: BatchRows) -> None:
-        live = {id(r) for r in rows.rows.values()}
-        for key in [k for k in self.states if k not in live]:
-            self.states.pop(key)
+        """Keep the states of requests that left (they may come back), the most recent 4 x max_num_seqs."""
+        limit = 4 * (BUFFERS.idx.shape[0] if BUFFERS is not None else 64)
+        while len(self.states) > limit:
+            self.states.pop(next(iter(self.states)))
 
     @staticmethod
     def _report(req: RowRequest, st: SteerState) -> None:
