@@ -276,9 +276,10 @@ class EvictRuntime:
                 continue
             tok, ntok, first = st.hidden_rows
             st.hidden_rows = None
-            if first < req.prefill_len and not st.ledger.policy.config.prompt_sentences:
+            prefill = st.ledger.prefill_len  # the state's: a row object re-added by vLLM carries its own
+            if first < prefill and not st.ledger.policy.config.prompt_sentences:
                 st.track.skip(ntok)  # the paper's SkipKV cuts the output only
-            elif hidden is not None and (first < req.prefill_len or first == st.track.next_pos):
+            elif hidden is not None and (first < prefill or first == st.track.next_pos):
                 todo.append((req, st, tok, ntok, first))
         if not todo:
             return

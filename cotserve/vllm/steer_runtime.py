@@ -142,7 +142,7 @@ class SteerRuntime:
             st = self._state(req)
             tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
             total = len(req.prompt_ids) + len(req.output_ids)
-            if ntok != 1 or total <= req.prefill_len:  # prefill: the prompt is not steered
+            if ntok != 1 or total <= len(req.prompt_ids):  # prefill: the prompt is not steered
                 continue
             new = req.output_ids[st.fed - len(req.prompt_ids):] if st.fed >= len(req.prompt_ids) else \
                 (req.prompt_ids + list(req.output_ids))[st.fed:]
