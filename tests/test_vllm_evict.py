@@ -80,6 +80,7 @@ def vllm_run(loaded, prompts, tmp_path_factory):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return {"skipkv": list(outs[0].outputs[0].token_ids), "dense": list(outs[1].outputs[0].token_ids),
             "steering": list(outs[2].outputs[0].token_ids),
+            "steering_client_telemetry": (outs[2].kv_transfer_params or {}).get("cotserve"),
             "client_telemetry": (outs[0].kv_transfer_params or {}).get("cotserve"),
             "telemetry": _read_lines(tele), "trace": _read_lines(trace)}
 
@@ -138,6 +139,14 @@ def test_each_compaction_returns_blocks_to_the_pool(vllm_run):
     # what the client sees (vLLM's output), as the gateway reads it
     assert vllm_run["client_telemetry"]["compactions"] == mine["compactions"]
     assert vllm_run["client_telemetry"]["kv_entries_peak"] == CTX
+
+
+def test_client_telemetry_counts_thoughts_as_the_native_policies_do(vllm_run, native_run):
+    sk, st = vllm_run["client_telemetry"], vllm_run["steering_client_telemetry"]
+    assert sk["non_execution_thoughts"] == native_run["telemetry"]["non_execution_thoughts"]
+    for key in ("steering_applications", "steering_non_execution"):
+        assert st[key] == native_run["steering_telemetry"][key]
+    assert st["steering_alpha_mean"] == pytest.approx(native_run["steering_telemetry"]["steering_alpha_mean"])
 
 
 def test_dense_beside_an_evicting_request_is_untouched(vllm_run, native_run):

@@ -26,6 +26,7 @@ from cotserve.errors import CotserveError
 from cotserve.vllm.eviction_ledger import EvictionLedger
 from cotserve.vllm.requests import request_policy_of
 from cotserve.vllm.telemetry import write_telemetry
+from cotserve.vllm.thought_telemetry import thought_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class EvictingScheduler(Scheduler):
                              "(--no-enable-prefix-caching)")
         super().__init__(*args, **kwargs)
         self._evict_policy: dict[str, Any] = {}  # request id -> eviction policy (None: does not evict)
+        self._policies: dict[str, Any] = {}  # request id -> its RequestPolicy, for requests that evict or steer
+        self._tokenizer: Any = False  # loaded on first use (None: none available)
         self._ledgers: dict[str, EvictionLedger] = {}
         self._block_stats: dict[str, dict[str, Any]] = {}
         self._recomputed: dict[str, int] = {}  # preempted and recomputed from scratch
@@ -71,6 +74,7 @@ class EvictingScheduler(Scheduler):
         if len(self._evict_policy) > 2 * len(self.requests) + 64:  # requests that left without a ledger
             for gone in [r for r in self._evict_policy if r not in self.requests]:
                 self._evict_policy.pop(gone)
+                self._policies.pop(gone, None)
         if self._stats is not None:
             self._stats.write(f"{len(self.running)} {len(self.waiting)} "
                               f"{self.kv_cache_manager.block_pool.get_num_free_blocks()} {self._preemptions}\n")
@@ -81,21 +85,47 @@ class EvictingScheduler(Scheduler):
         return super()._preempt_request(*args, **kwargs)
 
     def update_from_output(self, *args: Any, **kwargs: Any):
-        """vLLM's, plus each finished evicting request's telemetry in its output's
+        """vLLM's, plus each finished evicting or steered request's telemetry in its output's
         `kv_transfer_params["cotserve"]` (the way to the client that vLLM's outputs offer)."""
+        finishing = {}
+        for req_id, pol in self._policies.items():  # tokens of the tracked requests, before vLLM frees them
+            request = self.requests.get(req_id)
+            if request is not None:
+                finishing[req_id] = (pol, request)
         outs = super().update_from_output(*args, **kwargs)
         for eco in outs.values():
             for o in eco.outputs:
-                if o.finish_reason is not None and o.request_id in self._ledgers:
-                    tele = self._finish(o.request_id)
-                    o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": tele}
+                if o.finish_reason is None or o.request_id not in finishing:
+                    continue
+                pol, request = finishing[o.request_id]
+                self._policies.pop(o.request_id, None)
+                tele = self._finish(o.request_id) if o.request_id in self._ledgers else {}
+                tele.update(self._thoughts(request, pol))
+                o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": tele}
         return outs
+
+    def _thoughts(self, request, pol) -> dict[str, Any]:
+        if self._tokenizer is False:
+            self._tokenizer = None
+            mc = self.vllm_config.model_config
+            if not getattr(mc, "skip_tokenizer_init", False):
+                try:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer,
+                                                                    trust_remote_code=mc.trust_remote_code)
+                except Exception as exc:  # the counts are then left out
+                    log.warning("no tokenizer for thought telemetry: %s", exc)
+        return thought_telemetry(self._tokenizer, list(request.prompt_token_ids or []),
+                                 list(request.output_token_ids), pol.evict, pol.steer)
 
     def _policy(self, req_id: str, request) -> Any:
         if req_id not in self._evict_policy:
             try:
                 pol = request_policy_of(request.sampling_params.extra_args if request.sampling_params else None)
                 self._evict_policy[req_id] = pol.evict
+                if pol.evict is not None or pol.steer is not None:
+                    self._policies[req_id] = pol
             except CotserveError:  # refused when it arrived; never reached in practice
                 self._evict_policy[req_id] = None
         return self._evict_policy[req_id]
