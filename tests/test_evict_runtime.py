@@ -88,3 +88,17 @@ def test_a_request_back_in_the_batch_keeps_its_compactions():
     # every step's physical length stays within budget + interval, and the live blocks cover it
     assert max(len_stay[1:]) <= OPTS["budget"] + OPTS["interval"]
     assert len(b.ledger.live_blocks(cdiv(P + NEW, BS))) * BS >= len_stay[-1]
+
+
+def test_a_compaction_without_observation_queries_scores_by_redundancy():
+    """A request whose ring slot went to another request while it was out of the batch comes back
+    with no observation query; if a compaction comes due before its ring refills, the redundancy
+    term (and the sentence penalty) rank its entries."""
+    rt, req, _ = _run(set())
+    st = req.evict_state
+    st.ring_pos = [-1] * rt.w
+    n = st.n_phys
+    k = torch.randn(1, L, HKV, n, D)
+    scores = rt._scores([(req, st, None)], k, rt.positions(st, n).unsqueeze(0), n)
+    assert scores.shape == (1, L, HKV, n - OPTS["window"]) and torch.isfinite(scores).all()
+    assert scores.std() > 0

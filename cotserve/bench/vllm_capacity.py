@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cotserve.bench.vllm_decode import _model_folder, _params
+from cotserve.bench.vllm_decode import _params, emit, model_folder
 from cotserve.errors import CotserveError
 from cotserve.jsonl import read_jsonl
 
@@ -44,13 +44,8 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     import torch
     from vllm import LLM, SamplingParams
 
-    folder, dummy = _model_folder(model)
     max_len = prompt_tokens + new_tokens + 16
-    if dummy:
-        cfg_path = Path(folder) / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)
-        cfg_path.write_text(json.dumps(cfg))
+    folder, dummy = model_folder(model, max_len)
     seqs = max_num_seqs or min(requests, 256)
     kwargs: dict[str, Any] = dict(model=folder, dtype="bfloat16" if dtype == "auto" else dtype,
                                   enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=seqs,
@@ -163,10 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     report = run_capacity_bench([p for p in a.policy.split(",") if p], a.prompt_tokens, a.new_tokens, a.requests,
                                 a.kv_cache_memory, a.model, parse_options(a.policy_opt),
                                 max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager)
-    text = json.dumps(report, indent=2)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
-    print(text)
+    emit(report, a.json)
 
 
 if __name__ == "__main__":

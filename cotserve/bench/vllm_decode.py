@@ -24,6 +24,26 @@ from cotserve.jsonl import read_jsonl
 QWEN3_ARCH = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
+def model_folder(model: str, max_len: int) -> tuple[str, bool]:
+    """(folder, dummy weights?) for vLLM; random weights' positions reach `max_len` (Qwen3 reaches
+    131k with YaRN)."""
+    folder, dummy = _model_folder(model)
+    if dummy:
+        cfg_path = Path(folder) / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)
+        cfg_path.write_text(json.dumps(cfg))
+    return folder, dummy
+
+
+def emit(report: dict[str, Any], path: str | None) -> None:
+    """Print the report as JSON, and write it to `path` when given."""
+    text = json.dumps(report, indent=2)
+    if path:
+        Path(path).write_text(text + "\n")
+    print(text)
+
+
 def _model_folder(model: str) -> tuple[str, bool]:
     """(folder, dummy weights?) for vLLM."""
     if model.startswith("random:"):
@@ -58,13 +78,8 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     import torch
     from vllm import LLM, SamplingParams
 
-    folder, dummy = _model_folder(model)
     max_len = max(contexts) + new_tokens + 16
-    if dummy:  # random weights: let the positions reach the longest row (Qwen3 reaches 131k with YaRN)
-        cfg_path = Path(folder) / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)
-        cfg_path.write_text(json.dumps(cfg))
+    folder, dummy = model_folder(model, max_len)
     kwargs: dict[str, Any] = dict(model=folder, dtype="bfloat16" if dtype == "auto" else dtype,
                                   enable_prefix_caching=False, max_model_len=max_len,
                                   max_num_seqs=max(batches), max_num_batched_tokens=65536, seed=seed,
@@ -167,10 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                                    [int(x) for x in a.batch.split(",")], a.new_tokens, a.model,
                                    parse_options(a.policy_opt), plugin=not a.no_plugin,
                                    gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
-    text = json.dumps(report, indent=2)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
-    print(text)
+    emit(report, a.json)
 
 
 if __name__ == "__main__":

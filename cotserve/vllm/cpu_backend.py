@@ -42,6 +42,8 @@ class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             cm = ev.plan(ROWS, cm, self.block_size, runtime_access.layer_caches(ev.layers), self._evict_paged,
                          HIDDEN.buf)
         rt = runtime_access.runtime_for(self.vllm_config, self.layer_names, self.device)
+        if rt is None:
+            ROWS.take_released()  # rows that left: only an SFI runtime has state to free for them
         plan = rt.plan_step(cm, self.block_size) if rt is not None else None
         if plan is not None and plan.decode_rows:
             cm = copy.copy(cm)

@@ -94,7 +94,7 @@ class VLLMEngine:
         kwargs: dict[str, Any] = dict(model=str(path), dtype=vdtype, max_num_seqs=self.max_batch,
                                       tensor_parallel_size=opts.tensor_parallel_size,
                                       enforce_eager=opts.enforce_eager, enable_prefix_caching=False,
-                                      scheduler_cls=EVICTING_SCHEDULER)
+                                      scheduler_cls=EVICTING_SCHEDULER, async_scheduling=False)
         if opts.max_model_len:
             kwargs["max_model_len"] = opts.max_model_len
         if opts.gpu_memory_utilization:

@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 
 # similarity matrices of the redundancy score: layers are scored in groups under this many floats
 SCORE_FLOATS = 1 << 27
+# K and V of the requests compacted together (read, gathered, stacked): at most about this many elements
+GROUP_ELEMENTS = 1 << 30
+# requests that left the batch keep their state (they may come back) up to this many per ring slot
+ORPHANS_PER_SLOT = 16
 
 
 # host copies of the sequence lengths that vLLM's metadata may carry (by version)
@@ -103,7 +107,7 @@ def _token_ids(req: RowRequest, first: int, n: int) -> list[int]:
 class EvictRuntime:
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
                  dtype: torch.dtype, device: torch.device, slots: int, max_tokens: int, window: int = MAX_EVICT_WINDOW,
-                 tokenizer=None, on_device_tables: bool = False):
+                 tokenizer=None, on_device_tables: bool = False, block_size: int | None = None):
         self.L, self.hq, self.hkv, self.d = num_layers, num_heads, num_kv_heads, head_dim
         self.scaling = scaling
         self.device = device
@@ -111,6 +115,7 @@ class EvictRuntime:
         self.w = window
         self.delims = thought_delimiter_ids(tokenizer) if tokenizer is not None else frozenset()
         self.inplace = on_device_tables
+        self.block_size = block_size  # the KV cache manager's (the scheduler's holes are counted in it)
         # query rings (+1 scratch slot for unused writes) and the step's ring writes
         self.ring = torch.zeros(num_layers, slots + 1, window, num_heads, head_dim, dtype=dtype, device=device)
         self.nw = max(1, min(max_tokens, slots * window))
@@ -157,14 +162,23 @@ class EvictRuntime:
         new_lens = list(lens)
         rows_now: list[tuple[int, RowRequest, EvictState, int, int]] = []  # (row, req, state, tok, ntok)
         groups: dict[tuple, list[tuple[RowRequest, EvictState, torch.Tensor]]] = {}
+        if self.block_size is not None and block_size != self.block_size:
+            raise RuntimeError(f"eviction: the attention kernel's block size {block_size} differs from the KV "
+                               f"cache manager's {self.block_size}; the two halves would disagree on the blocks")
+        for _, req in reqs:  # requests back in the batch first: they get their slots before new ones
+            if req.evict_state is None:
+                self._reattach(req)
         for i, req in reqs:
-            st = req.evict_state if req.evict_state is not None else self._reattach(req) or self._admit(req)
-            if st is None:
-                continue
             tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
             if ntok == 0:
                 continue
             before = lens[i] - ntok
+            st = req.evict_state
+            if st is None:
+                if before > 0:  # a running request whose state is gone: its blocks are the scheduler's
+                    raise RuntimeError("eviction: a running request came back to the batch without its state "
+                                       "(more requests left and returned than the runtime keeps)")
+                st = self._admit(req)
             if before == 0 and st.n_phys:  # recomputed from scratch (vLLM preempted it)
                 st = self._restart(req)
             led = st.ledger
@@ -178,7 +192,10 @@ class EvictRuntime:
         if groups:
             t1 = time.perf_counter()
             for items in groups.values():
-                self._compact_group(items, kv_caches, paged)
+                n = items[0][1].n_phys
+                per = max(1, GROUP_ELEMENTS // (3 * self.L * self.hkv * n * self.d))
+                for a in range(0, len(items), per):
+                    self._compact_group(items[a:a + per], kv_caches, paged)
                 self.compacted += len(items)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -208,23 +225,27 @@ class EvictRuntime:
             cm = self._rewrite(cm, rewrite, new_lens, block_size)
         return cm
 
-    def _admit(self, req: RowRequest) -> EvictState | None:
-        if not self.free and self.orphans:  # reclaim the slot of the request that left longest ago
-            _, (_, old) = next(iter(self.orphans.items()))
-            self.orphans.pop(next(iter(self.orphans)))
-            self.owner.pop(old.slot, None)
-            self.free.append(old.slot)
-        if not self.free:
-            log.error("eviction: all %d slots in use; this request decodes densely", self.slots)
-            req.evict = None
-            return None
+    def _admit(self, req: RowRequest) -> EvictState:
         pol = req.evict
-        st = EvictState(EvictionLedger(pol, req.prefill_len), self.free.pop(), ring_pos=[-1] * self.w)
+        st = EvictState(EvictionLedger(pol, req.prefill_len), self._slot(), ring_pos=[-1] * self.w)
         if pol.name == "skipkv":
             st.track = SentenceTrack(self.delims, pol.config.sentence_threshold)
         req.evict_state = st
         self.owner[st.slot] = req
         return st
+
+    def _slot(self) -> int:
+        """A free query-ring slot; when none is, the slot of the request that left the batch longest
+        ago (its state stays, without its ring: it refills within `window` steps if it comes back)."""
+        if not self.free:
+            for _, st in self.orphans.values():
+                if st.slot >= 0:
+                    self.free.append(st.slot)
+                    st.slot = -1
+                    break
+        if not self.free:  # cannot happen: at most max_num_seqs requests are in the batch
+            raise RuntimeError(f"eviction: all {self.slots} query-ring slots are in use")
+        return self.free.pop()
 
     def _reattach(self, req: RowRequest) -> EvictState | None:
         """The state of a request that left the batch and came back (vLLM removes a running request
@@ -234,13 +255,17 @@ class EvictRuntime:
         if got is None or got[0] is not req.output_ids:
             return None
         st = got[1]
+        if st.slot < 0:  # its ring slot went to another request meanwhile
+            st.slot = self._slot()
+            st.ring_pos = [-1] * self.w
         req.evict_state = st
         self.owner[st.slot] = req
         return st
 
     def _restart(self, req: RowRequest) -> EvictState:
-        self.free.append(req.evict_state.slot)
-        self.owner.pop(req.evict_state.slot, None)
+        if req.evict_state.slot >= 0:
+            self.free.append(req.evict_state.slot)
+            self.owner.pop(req.evict_state.slot, None)
         req.evict_state = None
         req.prefill_len = len(req.prompt_ids) + len(req.output_ids)
         return self._admit(req)
@@ -253,6 +278,10 @@ class EvictRuntime:
         for slot in gone:
             r = self.owner.pop(slot)
             self.orphans[id(r.output_ids)] = (r.output_ids, r.evict_state)
+        while len(self.orphans) > ORPHANS_PER_SLOT * self.slots:  # the oldest have finished, surely
+            _, st = self.orphans.pop(next(iter(self.orphans)))
+            if st.slot >= 0:
+                self.free.append(st.slot)
         if gone:
             write_telemetry({"evict_runtime": {"plan_host_s": round(self.plan_s, 3),
                                                "compact_s": round(self.compact_s, 3),
@@ -353,6 +382,11 @@ class EvictRuntime:
         q_rel = None
         for j, (_, st, _) in enumerate(items):
             have = sorted((p, i) for i, p in enumerate(st.ring_pos) if p >= 0)[-w:]
+            if not have:  # no observation query yet (its ring slot was reassigned while it was away)
+                if r > 1:
+                    return torch.cat([self._scores([it], k_all[j2:j2 + 1], pos[j2:j2 + 1], n)
+                                      for j2, it in enumerate(items)])
+                return self._scores_without_queries(st, k_all[0], pos[0], n)
             base = have[-1][0]
             qr = [p - base for p, _ in have]
             if q_rel is None:
@@ -381,6 +415,19 @@ class EvictRuntime:
         for j, (_, st, _) in enumerate(items):
             if st.track is not None:
                 scores[j] -= st.track.penalty_of(pos[j, ..., :m])
+        return scores
+
+    def _scores_without_queries(self, st: EvictState, k: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+        """R-KV's redundancy term alone (and SkipKV's penalty) for one request: [1, L, Hkv, candidates]."""
+        from cotserve.policies.scoring import key_redundancy
+
+        c = st.ledger.policy.config
+        m = n - c.window
+        red = key_redundancy(k.reshape(self.L * self.hkv, n, self.d), c.redundancy_threshold, c.redundancy_retain,
+                             c.reference_quirk)[:, :m]
+        scores = (-(1.0 - c.sigma) * red).view(1, self.L, self.hkv, m)
+        if st.track is not None:
+            scores[0] -= st.track.penalty_of(pos[..., :m])
         return scores
 
     # -- the metadata, in physical terms ---------------------------------------------------------

@@ -93,7 +93,8 @@ def evict_for(vllm_config, device: torch.device, force: bool = False, slots: int
     first = layers[0].impl
     _EVICT = EvictRuntime(len(layers), first.num_heads, first.num_kv_heads, first.head_size, first.scale, mc.dtype,
                           device, slots=slots or sc.max_num_seqs, max_tokens=sc.max_num_batched_tokens,
-                          tokenizer=_tokenizer(mc), on_device_tables=device.type == "cuda")
+                          tokenizer=_tokenizer(mc), on_device_tables=device.type == "cuda",
+                          block_size=vllm_config.cache_config.block_size)
     _EVICT.layers = layers
     log.info("eviction: runtime ready (%d layers, %d slots)", len(layers), _EVICT.slots)
     if "EvictingScheduler" not in str(sc.scheduler_cls):

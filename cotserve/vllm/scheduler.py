@@ -31,14 +31,33 @@ from cotserve.vllm.thought_telemetry import thought_telemetry
 log = logging.getLogger(__name__)
 
 
+def check_config(cfg) -> None:
+    """What eviction needs of vLLM's configuration; a clear error at startup otherwise."""
+    if cfg.cache_config.enable_prefix_caching:
+        raise ValueError("cotserve's EvictingScheduler needs prefix caching off (evicted entries are no longer "
+                         "the prefix their blocks hash to): start vLLM with enable_prefix_caching=False "
+                         "(--no-enable-prefix-caching)")
+    if getattr(cfg.scheduler_config, "async_scheduling", False):
+        raise ValueError("cotserve's EvictingScheduler runs with async scheduling off (the worker and the "
+                         "scheduler apply a compaction in the same step): start vLLM with async_scheduling=False "
+                         "(--no-async-scheduling)")
+    if getattr(cfg, "speculative_config", None) is not None:
+        raise ValueError("cotserve's EvictingScheduler does not run with speculative decoding (a compaction is "
+                         "scheduled on one-token decode steps)")
+
+
 class EvictingScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cfg = kwargs.get("vllm_config", args[0] if args else None)
-        if cfg is not None and cfg.cache_config.enable_prefix_caching:
-            raise ValueError("cotserve's EvictingScheduler needs prefix caching off (evicted entries are no longer "
-                             "the prefix their blocks hash to): start vLLM with enable_prefix_caching=False "
-                             "(--no-enable-prefix-caching)")
+        if cfg is not None:
+            check_config(cfg)
         super().__init__(*args, **kwargs)
+        groups = self.kv_cache_manager.coordinator.single_type_managers
+        if len(groups) != 1:
+            raise ValueError(f"cotserve's EvictingScheduler runs models with one KV cache group; this one has "
+                             f"{len(groups)} (use vLLM's own scheduler for it, without eviction)")
+        # the worker's eviction runtime can be left out on CUDA; then nothing evicts here either
+        self._evicting = os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", "") != "0"
         self._evict_policy: dict[str, Any] = {}  # request id -> eviction policy (None: does not evict)
         self._policies: dict[str, Any] = {}  # request id -> its RequestPolicy, for requests that evict or steer
         self._tokenizer: Any = False  # loaded on first use (None: none available)
@@ -74,7 +93,8 @@ class EvictingScheduler(Scheduler):
         if len(self._evict_policy) > 2 * len(self.requests) + 64:  # requests that left without a ledger
             for gone in [r for r in self._evict_policy if r not in self.requests]:
                 self._evict_policy.pop(gone)
-                self._policies.pop(gone, None)
+            for gone in [r for r in self._policies if r not in self.requests]:
+                self._policies.pop(gone)
         if self._stats is not None:
             self._stats.write(f"{len(self.running)} {len(self.waiting)} "
                               f"{self.kv_cache_manager.block_pool.get_num_free_blocks()} {self._preemptions}\n")
@@ -120,6 +140,8 @@ class EvictingScheduler(Scheduler):
                                  list(request.output_token_ids), pol.evict, pol.steer)
 
     def _policy(self, req_id: str, request) -> Any:
+        if not self._evicting:
+            return None
         if req_id not in self._evict_policy:
             try:
                 pol = request_policy_of(request.sampling_params.extra_args if request.sampling_params else None)
@@ -159,6 +181,7 @@ class EvictingScheduler(Scheduler):
     def _finish(self, req_id: str) -> dict[str, Any]:
         ledger = self._ledgers.pop(req_id)
         policy = self._evict_policy.pop(req_id, None)
+        self._policies.pop(req_id, None)
         st = self._block_stats.pop(req_id, None) or {"free_blocks": [], "blocks_freed": 0}
         tele = {"policy": policy.name if policy is not None else None, "kv_budget": ledger.policy.budget,
                 "kv_entries_peak": ledger.peak, "compactions": ledger.compactions,

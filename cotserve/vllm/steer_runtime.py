@@ -170,6 +170,7 @@ class SteerRuntime:
         key = id(req.output_ids)
         got = self.states.get(key)
         if got is not None and got[0] is req.output_ids:
+            self.states[key] = self.states.pop(key)  # most recently used last (`_release` drops the first)
             return got[1]
         from cotserve.policies.steering import SlotThoughts, request_knobs
         from cotserve.policies.thoughts import load_rules
