@@ -134,9 +134,7 @@ def pick_group(oldest: tuple[str, int], others: list[tuple[str, int]], max_batch
     pairs of the same policy key. With `max_tokens` (and `need`: id -> `kv_need`), the group ends
     at the first neighbour whose need no longer fits the budget; the oldest job is always taken.
     Plain-Python twin of the Redis claim script, used by the in-process queue and the tests."""
-    if max_tokens is None or need is None:
-        return closest_in_length(oldest, others, max_batch)
-    return closest_in_length(oldest, others, max_batch, max_tokens, need.__getitem__)
+    return closest_in_length(oldest, others, max_batch, max_tokens, need.__getitem__ if need else None)
 
 
 class JobQueue(abc.ABC):

@@ -39,12 +39,12 @@ from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
 from cotserve.vllm.graph_sfi import GraphSFI
 from cotserve.vllm.requests import ROWS as ROWS_
+from cotserve.vllm.runtime_access import evict_current
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 _RUNTIME: GraphSFI | None = None
-_EVICT_ON: list = [None]  # the eviction runtime once built (its ring write runs in every layer)
 
 
 def _runtime(vllm_config, device) -> GraphSFI:
@@ -60,14 +60,9 @@ def _runtime(vllm_config, device) -> GraphSFI:
         max_rows = max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
         slots = int(os.environ.get("COTSERVE_VLLM_SFI_SLOTS", min(sc.max_num_seqs, 64)))
         max_k = int(os.environ.get("COTSERVE_VLLM_SFI_MAX_K", 2048))
-        tok = None
-        if not mc.skip_tokenizer_init:
-            try:
-                from transformers import AutoTokenizer
+        from cotserve.vllm.runtime_access import model_tokenizer
 
-                tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-            except Exception as exc:
-                log.warning("sfi: no tokenizer for sentence boundaries (%s); refreshes come from max_interval", exc)
+        tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")
         _RUNTIME = GraphSFI(ordered, first.num_heads, first.num_kv_heads, first.head_size, first.scale,
                             mc.dtype, device, slots=slots, max_rows=max_rows, max_k=max_k, tokenizer=tok)
     return _RUNTIME
@@ -81,9 +76,7 @@ def _evict_runtime(vllm_config, device):
     slots = int(os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", vllm_config.scheduler_config.max_num_seqs))
     if slots <= 0:
         return None
-    ev = runtime_access.evict_for(vllm_config, device, force=True, slots=slots)
-    _EVICT_ON[0] = ev
-    return ev
+    return runtime_access.evict_for(vllm_config, device, force=True, slots=slots)
 
 
 class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -128,8 +121,9 @@ class CotserveFlashImpl(FlashAttentionImpl):
         q = query.view(t, self.num_heads, self.head_size)
         o = output.view(output.shape[0], self.num_heads, self.head_size)
         rt.write_ring(li, q)
-        if _EVICT_ON[0] is not None:
-            _EVICT_ON[0].record(li, q)
+        ev = evict_current()
+        if ev is not None:
+            ev.record(li, q)
         kc, vc = split_kv(kv_cache, self.head_size)
         rows = min(t, rt.max_rows, attn_metadata.block_table.shape[0])
         sfi_paged_fast(q, o, rt.ck[li], rt.cv[li], rt.cpos[li], kc, vc, attn_metadata.block_table, rt.row_mode,

@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -93,7 +93,6 @@ class EvictState:
     track: SentenceTrack | None = None
     hidden_rows: tuple[int, int, int] | None = None  # (token index, count, first position) of the last step
     ring_pos: list[int] = field(default_factory=list)  # position held at each ring index, -1 none
-    peak: int = 0
 
 
 def _token_ids(req: RowRequest, first: int, n: int) -> list[int]:
@@ -208,7 +207,6 @@ class EvictRuntime:
             before = lens[i] - ntok
             phys_before = before - led.evicted
             st.n_phys = phys_before + ntok
-            st.peak = max(st.peak, st.n_phys)
             st.hidden_rows = (tok, ntok, before)
             if led.evicted:
                 new_lens[i] = st.n_phys
@@ -482,14 +480,3 @@ class EvictRuntime:
     def record(self, layer: int, q: torch.Tensor) -> None:
         """Copy this step's query rows of evicting requests into their rings (q [tokens, Hq, D])."""
         self.ring[layer].index_put_((self.w_slot, self.w_idx), q[self.w_tok.clamp(max=q.shape[0] - 1)])
-
-    def telemetry(self, req: RowRequest) -> dict[str, Any]:
-        st = req.evict_state
-        if st is None:
-            return {}
-        out: dict[str, Any] = {"kv_entries_peak": st.peak, "compactions": st.ledger.compactions,
-                               "evicted_tokens": st.ledger.evicted}
-        if st.track is not None:
-            out["sentences"] = len(st.track)
-            out["redundant_sentences"] = sum(1 for p in st.track.penalty if p > 0)
-        return out

@@ -1,9 +1,12 @@
-"""vLLM's own model classes with two additions: the last layer's final-norm hidden states of every
-step are copied into a persistent buffer (`HIDDEN`), where SkipKV's sentence tracking reads them
-at the next step; and, when the engine has a steering vector, a hook on its layer steers the
-tokens `steer_runtime` marks (`steer_runtime.install`). Registered over vLLM's classes through its model registry (`register_models`),
-so vLLM's model code is used as it is; the copy is a tensor op, so it is part of a captured CUDA
-graph like the rest of the forward.
+"""vLLM's own model classes with two additions, registered over vLLM's classes through its model
+registry (`register_models`), so vLLM's model code is used as it is:
+
+* the last layer's final-norm hidden states of every step are copied into a persistent buffer
+  (`HIDDEN`), where SkipKV's sentence tracking reads them at the next step; only once the worker
+  has an eviction runtime (on CUDA before the graphs are captured, on a CPU from the first evicting
+  request on). The copy is a tensor op, so it is part of a captured CUDA graph;
+* when the engine has a steering vector, a hook on its layer steers the tokens `steer_runtime`
+  marks (`steer_runtime.install`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import importlib
 
 import torch
+
+from cotserve.vllm.runtime_access import evict_current
 
 # vLLM class -> the module that defines it
 CLASSES = {
@@ -56,7 +61,7 @@ def _wrapped(base: type) -> type:
 
     def forward(self, *args, **kwargs):
         out = base.forward(self, *args, **kwargs)
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor) and evict_current() is not None:  # only an eviction runtime reads them
             HIDDEN.capture(out)
         return out
 

@@ -126,8 +126,3 @@ def request_policy_of(extra_args: dict[str, Any] | None) -> RequestPolicy:
         raise PolicyError(f"{out.evict.name}+sfi is not available on the vllm engine yet (each runs alone there); "
                           "use --engine native for the combination")
     return out
-
-
-def sfi_config_of(extra_args: dict[str, Any] | None):
-    """The request's SFIConfig, None when it asked for no SFI."""
-    return request_policy_of(extra_args).sfi

@@ -8,6 +8,7 @@ engine never allocates anything.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -81,6 +82,8 @@ def evict_for(vllm_config, device: torch.device, force: bool = False, slots: int
     global _EVICT
     if _EVICT is not None:
         return _EVICT
+    if os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", "") == "0":  # left out (the scheduler evicts nothing then)
+        return None
     if not force and not any(r.evict is not None for r in ROWS.rows.values()):
         return None
     from vllm.config import get_layers_from_vllm_config
@@ -93,7 +96,7 @@ def evict_for(vllm_config, device: torch.device, force: bool = False, slots: int
     first = layers[0].impl
     _EVICT = EvictRuntime(len(layers), first.num_heads, first.num_kv_heads, first.head_size, first.scale, mc.dtype,
                           device, slots=slots or sc.max_num_seqs, max_tokens=sc.max_num_batched_tokens,
-                          tokenizer=_tokenizer(mc), on_device_tables=device.type == "cuda",
+                          tokenizer=model_tokenizer(mc, "SkipKV's sentences"), on_device_tables=device.type == "cuda",
                           block_size=vllm_config.cache_config.block_size)
     _EVICT.layers = layers
     log.info("eviction: runtime ready (%d layers, %d slots)", len(layers), _EVICT.slots)
@@ -114,19 +117,21 @@ def steer_for(vllm_config):
     if steer_runtime.BUFFERS is None:
         return None
     if _STEER is None:
-        _STEER = steer_runtime.SteerRuntime(_tokenizer(vllm_config.model_config))
+        _STEER = steer_runtime.SteerRuntime(model_tokenizer(vllm_config.model_config, "steering boundaries"))
     return _STEER
 
 
-def _tokenizer(mc):
+def model_tokenizer(mc, purpose: str):
+    """The served model's tokenizer, for the policies' sentence and thought boundaries; None (with a
+    warning: those boundaries then never fire) when vLLM runs without one or it cannot load."""
     if getattr(mc, "skip_tokenizer_init", False):
         return None
     try:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-    except Exception as exc:  # sentence tracking then sees no delimiters
-        log.warning("no tokenizer for thought delimiters (%s); skipkv's sentence term stays off", exc)
+    except Exception as exc:
+        log.warning("no tokenizer for %s (%s): they never fire", purpose, exc)
         return None
 
 
@@ -144,13 +149,7 @@ def runtime_for(vllm_config, layer_names: list[str], device: torch.device) -> Ac
     ordered = sorted(layers.values(), key=Access.layer_index)
     mc = vllm_config.model_config
     first = ordered[0]
-    tok = None
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-    except Exception as exc:  # boundaries then never fire; max_interval still refreshes
-        log.warning("sfi: no tokenizer for sentence boundaries (%s); refreshes come from max_interval only", exc)
+    tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")
     rt = SFIRuntime(len(ordered), first.impl.num_heads, first.impl.num_kv_heads, first.impl.head_size,
                     first.impl.scale, mc.dtype, device, tok)
     _ACCESS = Access(rt, ordered)

@@ -58,8 +58,9 @@ class EvictingScheduler(Scheduler):
                              f"{len(groups)} (use vLLM's own scheduler for it, without eviction)")
         # the worker's eviction runtime can be left out on CUDA; then nothing evicts here either
         self._evicting = os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", "") != "0"
-        self._evict_policy: dict[str, Any] = {}  # request id -> eviction policy (None: does not evict)
-        self._policies: dict[str, Any] = {}  # request id -> its RequestPolicy, for requests that evict or steer
+        self._manager = groups[0]
+        # request id -> (its RequestPolicy, the request) when it evicts or steers; None when it does neither
+        self._policies: dict[str, tuple[Any, Any] | None] = {}
         self._tokenizer: Any = False  # loaded on first use (None: none available)
         self._ledgers: dict[str, EvictionLedger] = {}
         self._block_stats: dict[str, dict[str, Any]] = {}
@@ -85,14 +86,12 @@ class EvictingScheduler(Scheduler):
                     self._recomputed[req_id] = self._recomputed.get(req_id, 0) + 1
                 ledger = self._ledgers[req_id] = EvictionLedger(policy, request.num_tokens)
             if ledger.due(before, ntok):
-                holes = ledger.compact(before, ntok, self._block_size())
+                holes = ledger.compact(before, ntok, self._manager.block_size)
                 self._free(req_id, holes)
             ledger.after_step(before + ntok)
         for gone in [r for r in self._ledgers if r not in self.requests]:
             self._finish(gone)
-        if len(self._evict_policy) > 2 * len(self.requests) + 64:  # requests that left without a ledger
-            for gone in [r for r in self._evict_policy if r not in self.requests]:
-                self._evict_policy.pop(gone)
+        if len(self._policies) > 2 * len(self.requests) + 64:  # requests that left without finishing here
             for gone in [r for r in self._policies if r not in self.requests]:
                 self._policies.pop(gone)
         if self._stats is not None:
@@ -107,18 +106,12 @@ class EvictingScheduler(Scheduler):
     def update_from_output(self, *args: Any, **kwargs: Any):
         """vLLM's, plus each finished evicting or steered request's telemetry in its output's
         `kv_transfer_params["cotserve"]` (the way to the client that vLLM's outputs offer)."""
-        finishing = {}
-        for req_id, pol in self._policies.items():  # tokens of the tracked requests, before vLLM frees them
-            request = self.requests.get(req_id)
-            if request is not None:
-                finishing[req_id] = (pol, request)
         outs = super().update_from_output(*args, **kwargs)
         for eco in outs.values():
             for o in eco.outputs:
-                if o.finish_reason is None or o.request_id not in finishing:
+                if o.finish_reason is None or not self._policies.get(o.request_id):
                     continue
-                pol, request = finishing[o.request_id]
-                self._policies.pop(o.request_id, None)
+                pol, request = self._policies.pop(o.request_id)  # vLLM has freed the request; we hold it
                 tele = self._finish(o.request_id) if o.request_id in self._ledgers else {}
                 tele.update(self._thoughts(request, pol))
                 o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": tele}
@@ -126,53 +119,36 @@ class EvictingScheduler(Scheduler):
 
     def _thoughts(self, request, pol) -> dict[str, Any]:
         if self._tokenizer is False:
-            self._tokenizer = None
-            mc = self.vllm_config.model_config
-            if not getattr(mc, "skip_tokenizer_init", False):
-                try:
-                    from transformers import AutoTokenizer
+            from cotserve.vllm.runtime_access import model_tokenizer
 
-                    self._tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer,
-                                                                    trust_remote_code=mc.trust_remote_code)
-                except Exception as exc:  # the counts are then left out
-                    log.warning("no tokenizer for thought telemetry: %s", exc)
+            self._tokenizer = model_tokenizer(self.vllm_config.model_config, "the thought counts of the telemetry")
         return thought_telemetry(self._tokenizer, list(request.prompt_token_ids or []),
                                  list(request.output_token_ids), pol.evict, pol.steer)
 
     def _policy(self, req_id: str, request) -> Any:
-        if not self._evicting:
-            return None
-        if req_id not in self._evict_policy:
+        """The request's eviction policy (None: it does not evict); parsed once per request."""
+        if req_id not in self._policies:
             try:
                 pol = request_policy_of(request.sampling_params.extra_args if request.sampling_params else None)
-                self._evict_policy[req_id] = pol.evict
-                if pol.evict is not None or pol.steer is not None:
-                    self._policies[req_id] = pol
             except CotserveError:  # refused when it arrived; never reached in practice
-                self._evict_policy[req_id] = None
-        return self._evict_policy[req_id]
-
-    def _block_size(self) -> int:
-        sizes = {m.block_size for m in self.kv_cache_manager.coordinator.single_type_managers}
-        if len(sizes) != 1:
-            raise RuntimeError(f"eviction needs one KV block size; this model's cache groups use {sorted(sizes)}")
-        return sizes.pop()
+                pol = None
+            tracked = pol is not None and (pol.evict is not None or pol.steer is not None)
+            self._policies[req_id] = (pol, request) if tracked else None
+        got = self._policies[req_id]
+        return got[0].evict if got is not None and self._evicting else None
 
     def _free(self, req_id: str, holes: list[int]) -> None:
         """Null the block-list entries `holes` of the request and return their blocks to the pool."""
         pool = self.kv_cache_manager.block_pool
         before = pool.get_num_free_blocks()
-        for manager in self.kv_cache_manager.coordinator.single_type_managers:
-            blocks = manager.req_to_blocks.get(req_id)
-            if blocks is None:
-                continue
-            freed = []
-            for i in holes:
-                if i < len(blocks) and not blocks[i].is_null:
-                    freed.append(blocks[i])
-                    blocks[i] = pool.null_block
-            if freed:
-                pool.free_blocks(freed)
+        blocks = self._manager.req_to_blocks.get(req_id, [])
+        freed = []
+        for i in holes:
+            if i < len(blocks) and not blocks[i].is_null:
+                freed.append(blocks[i])
+                blocks[i] = pool.null_block
+        if freed:
+            pool.free_blocks(freed)
         after = pool.get_num_free_blocks()
         st = self._block_stats.setdefault(req_id, {"free_blocks": [], "blocks_freed": 0})
         st["free_blocks"].append([before, after])
@@ -180,10 +156,8 @@ class EvictingScheduler(Scheduler):
 
     def _finish(self, req_id: str) -> dict[str, Any]:
         ledger = self._ledgers.pop(req_id)
-        policy = self._evict_policy.pop(req_id, None)
-        self._policies.pop(req_id, None)
         st = self._block_stats.pop(req_id, None) or {"free_blocks": [], "blocks_freed": 0}
-        tele = {"policy": policy.name if policy is not None else None, "kv_budget": ledger.policy.budget,
+        tele = {"policy": ledger.policy.name, "kv_budget": ledger.policy.budget,
                 "kv_entries_peak": ledger.peak, "compactions": ledger.compactions,
                 "evicted_tokens": ledger.evicted, "blocks_freed": st["blocks_freed"],
                 "recomputed": self._recomputed.pop(req_id, 0)}

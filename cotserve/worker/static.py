@@ -207,10 +207,7 @@ class Worker:
         """Claim the next length-sorted group: at most max_batch jobs and, when the engine reports
         its free KV capacity, at most that many KV tokens (`queue.base.kv_need` per job; a single
         job larger than that is still claimed)."""
-        budget = self.kv_budget()
-        if budget is None:
-            return self.queue.claim(self.worker_id, self.max_batch, self.max_wait)
-        return self.queue.claim(self.worker_id, self.max_batch, self.max_wait, max_tokens=budget)
+        return self.queue.claim(self.worker_id, self.max_batch, self.max_wait, max_tokens=self.kv_budget())
 
     # -- one group -------------------------------------------------------------------------
     def _publish(self, job_id: str, events: list[dict[str, Any]]) -> bool:
