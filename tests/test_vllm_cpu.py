@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +88,19 @@ def test_unsupported_policy_is_refused(vllm_tokens):
     assert vllm_tokens["refused"] is not None and "not available on the vllm engine" in vllm_tokens["refused"]
 
 
+def _end_group(proc: subprocess.Popen) -> None:
+    """Stop the server and whatever of its process group is left (vLLM's engine and worker)."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def test_serve_engine_vllm_with_openai_sdk(tmp_path):
     from openai import OpenAI
     from support import free_port
@@ -96,7 +110,8 @@ def test_serve_engine_vllm_with_openai_sdk(tmp_path):
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for 2,048-token requests
     proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "serve", "--engine", "vllm", "--port", str(port),
                              "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--log-level",
-                             "warning"], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
+                             "warning"], env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"),
+                            start_new_session=True)  # its own process group: vLLM's engine processes end with it
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 600
@@ -144,8 +159,4 @@ def test_serve_engine_vllm_with_openai_sdk(tmp_path):
             "cotserve": {"policy": "h2o"}}, timeout=60)
         assert bad.status_code == 400 and "vllm engine" in bad.text
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _end_group(proc)
