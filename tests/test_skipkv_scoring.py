@@ -103,11 +103,24 @@ def direct_redundancy(k, threshold, retain, quirk=False):
     return out
 
 
-@pytest.mark.parametrize("retain,quirk", [(1, False), (2, False), (1, True), (0, False)])
-def test_redundancy_matches_direct(retain, quirk):
+@pytest.mark.parametrize("retain,quirk", [(1, False), (2, False), (1, True), (0, False), (0, True)])
+@pytest.mark.parametrize("fn", [scoring.key_redundancy, scoring.key_redundancy_reference])
+def test_redundancy_matches_direct(fn, retain, quirk):
     k = rand(HKV, 24, 4, seed=5)  # low dimension: many pairs above the threshold
-    got = scoring.key_redundancy(k, 0.5, retain, quirk)
+    got = fn(k, 0.5, retain, quirk)
     torch.testing.assert_close(got, direct_redundancy(k, 0.5, retain, quirk), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threshold", [-0.2, 0.1, 0.5, 0.75])
+@pytest.mark.parametrize("retain,quirk", [(1, False), (1, True), (0, True)])
+def test_fast_redundancy_matches_the_reference(threshold, retain, quirk):
+    """The column-sum form against the masked-matrix form on larger heads, rows with and without
+    copies (a high threshold leaves many rows without any)."""
+    k = rand(6, 300, 8, seed=11)
+    got = scoring.key_redundancy(k, threshold, retain, quirk)
+    ref = scoring.key_redundancy_reference(k, threshold, retain, quirk)
+    torch.testing.assert_close(got, ref, atol=1e-7, rtol=1e-5)
+    assert not torch.equal(got, scoring.key_redundancy_reference(k, threshold, retain + 1, quirk))
 
 
 def test_redundancy_ranks_older_copies_higher():

@@ -130,7 +130,54 @@ def key_redundancy(k: torch.Tensor, threshold: float = 0.5, retain: int = 1,
     R-KV Sec. 3.3: S = cos(K, K) with S_ii = 0. For each key i, among the keys j with S_ij > T
     (`threshold`) the `retain` most recent ones are exempted (S_ij := 0): the newest copies of a
     repeated content are the ones kept. The redundancy of key j is then softmax_j(mean_i S_ij):
-    a key that many other keys resemble (and that is not their newest copy) scores high."""
+    a key that many other keys resemble (and that is not their newest copy) scores high.
+
+    The same function as `key_redundancy_reference`, computed with fewer passes over the n x n
+    similarities for `retain` 0 and 1 (R-KV's default): column sums of S minus each row's
+    exempted entry, found as the last above-threshold key of the row (no cumulative count)."""
+    if retain > 1:
+        return key_redundancy_reference(k, threshold, retain, reference_quirk)
+    sim = key_similarity(k)
+    n = sim.shape[-1]
+    if n == 0:
+        return sim.new_zeros(sim.shape[:-1])
+    col = sim.sum(dim=-2)  # [Hkv, n]
+    none = -torch.ones((), dtype=torch.long, device=sim.device)
+    if retain == 1 or reference_quirk:
+        above = sim > threshold
+        has, first_rev = above.flip(-1).view(torch.uint8).max(dim=-1)  # first above key from the newest end
+        has = has.bool()
+        if retain == 1:
+            last = torch.where(has, n - 1 - first_rev, none)  # [Hkv, n] the row's exempted key, -1 none
+        else:
+            last = torch.full_like(first_rev, -1)
+        if reference_quirk:  # the code's argmax over an all-zero row picks key 0
+            last = torch.where(has, last, torch.zeros_like(last))
+        col = col - _column_totals(sim, last)
+    return torch.softmax(col / n, dim=-1)
+
+
+def _column_totals(sim: torch.Tensor, col_of_row: torch.Tensor) -> torch.Tensor:
+    """[H, n]: for each column j, the sum of sim[h, i, j] over the rows i with col_of_row[h, i] == j
+    (-1: the row picks no column). One value per row, summed per column through a sort and a
+    float64 running sum rather than atomic adds, so the result does not vary from run to run."""
+    h, n = col_of_row.shape
+    picked = col_of_row >= 0
+    v = sim.gather(-1, col_of_row.clamp(min=0).unsqueeze(-1)).squeeze(-1).double() * picked
+    key = torch.where(picked, col_of_row, torch.full_like(col_of_row, n))
+    key, order = key.sort(dim=-1, stable=True)
+    run = torch.nn.functional.pad(v.gather(-1, order).cumsum(-1), (1, 0))
+    cols = torch.arange(n, device=sim.device).expand(h, n).contiguous()
+    hi = torch.searchsorted(key, cols, right=True)
+    lo = torch.searchsorted(key, cols, right=False)
+    return (run.gather(-1, hi) - run.gather(-1, lo)).to(sim.dtype)
+
+
+def key_redundancy_reference(k: torch.Tensor, threshold: float = 0.5, retain: int = 1,
+                             reference_quirk: bool = False) -> torch.Tensor:
+    """`key_redundancy` written as the paper states it (a rank of the above-threshold keys from the
+    newest end, a masked similarity matrix, its row mean): the reference it is tested against, and
+    the path for `retain` > 1."""
     sim = key_similarity(k)
     n = sim.shape[-1]
     if n == 0:

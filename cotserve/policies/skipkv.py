@@ -118,6 +118,22 @@ class SentenceTrack:
                 self.open_content = True
         self._add(hidden[seg:])
 
+    def count(self, token: int) -> bool:
+        """`feed` of one token whose hidden state the caller adds to the open sentence's sum itself
+        (a batch of tracks keeps their open sums in one tensor): counts it and says whether it
+        closes the sentence; if so the caller passes the sum, this token's row included, to
+        `close_with`. The same arithmetic as `feed([token], row)`."""
+        self.open_n += 1
+        if token in self.delims:
+            return self.open_content
+        self.open_content = True
+        return False
+
+    def close_with(self, total: torch.Tensor) -> None:
+        """Close the open sentence whose hidden states sum to `total` (see `count`)."""
+        self.open_sum = total
+        self._close()
+
     def skip(self, n: int) -> None:
         """Advance over n positions that belong to no sentence (e.g. an untracked prompt)."""
         assert self.open_n == 0

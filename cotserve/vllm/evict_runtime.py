@@ -121,10 +121,17 @@ class EvictRuntime:
         self.writes = torch.zeros(3, self.nw, dtype=torch.long, device=device)  # token, slot, ring index
         self.writes[1].fill_(slots)
         self.w_tok, self.w_slot, self.w_idx = self.writes[0], self.writes[1], self.writes[2]
+        self._writes_host = self.writes.cpu().pin_memory() if device.type == "cuda" else self.writes.clone()
+        self._writes_n = 0
         self.free = list(range(slots))
         self.owner: dict[int, RowRequest] = {}  # slot -> the request in the batch that holds it
         self.orphans: dict[int, tuple[list, EvictState]] = {}  # id(output list) -> (the list, state)
         self.active = False  # any evicting request this step
+        # the open sentence's hidden-state sum of each ring slot's SkipKV request (host, float32): one
+        # add per step for the whole batch; a request without a slot keeps it in its track
+        self.osum: torch.Tensor | None = None
+        self._live_rows: torch.Tensor | None = None  # [slots + 1, table width] live block-list indices
+        self._live_keys: dict[int, tuple] = {}  # slot -> (state, compactions, live count) its row holds
         # cumulative cost, reported with each finished request (`bench capacity` reads it)
         self.plan_s = 0.0  # host time in `plan`, compactions included
         self.compact_s = 0.0  # compactions, to their end on the device
@@ -200,7 +207,7 @@ class EvictRuntime:
                 torch.cuda.synchronize(self.device)
             self.compact_s += time.perf_counter() - t1
             self.compact_events += 1
-        rewrite: list[tuple[int, list[int], int, int, int]] = []  # (row, live, tok, ntok, phys_before)
+        rewrite: list[tuple] = []  # (row, live, tok, ntok, phys_before, state)
         w_tok, w_slot, w_idx = [], [], []
         for i, _req, st, tok, ntok in rows_now:
             led = st.ledger
@@ -210,7 +217,7 @@ class EvictRuntime:
             st.hidden_rows = (tok, ntok, before)
             if led.evicted:
                 new_lens[i] = st.n_phys
-                rewrite.append((i, led.live_blocks(cdiv(lens[i], block_size)), tok, ntok, phys_before))
+                rewrite.append((i, led.live_blocks(cdiv(lens[i], block_size)), tok, ntok, phys_before, st))
             m = min(ntok, self.w)
             for j in range(ntok - m, ntok):
                 p = before + j
@@ -230,6 +237,9 @@ class EvictRuntime:
             st.track = SentenceTrack(self.delims, pol.config.sentence_threshold)
         req.evict_state = st
         self.owner[st.slot] = req
+        self._live_keys.pop(st.slot, None)
+        if self.osum is not None:
+            self.osum[st.slot].zero_()
         return st
 
     def _slot(self) -> int:
@@ -238,6 +248,7 @@ class EvictRuntime:
         if not self.free:
             for _, st in self.orphans.values():
                 if st.slot >= 0:
+                    self._park(st)
                     self.free.append(st.slot)
                     st.slot = -1
                     break
@@ -256,8 +267,10 @@ class EvictRuntime:
         if st.slot < 0:  # its ring slot went to another request meanwhile
             st.slot = self._slot()
             st.ring_pos = [-1] * self.w
+            self._unpark(st)
         req.evict_state = st
         self.owner[st.slot] = req
+        self._live_keys.pop(st.slot, None)
         return st
 
     def _restart(self, req: RowRequest) -> EvictState:
@@ -294,9 +307,11 @@ class EvictRuntime:
         return tail if st.pos is None else torch.cat([st.pos, tail], dim=-1)
 
     def _feed_hidden(self, reqs: list[RowRequest], hidden: torch.Tensor | None) -> None:
-        """The previous step's final hidden states of SkipKV requests into their sentence tracks
-        (one gather and one host copy for the whole batch; the tracks run on the host)."""
-        todo = []
+        """The previous step's final hidden states of SkipKV requests into their sentence tracks:
+        one gather and one host copy for the whole batch; a decode token's row is added to its
+        request's open-sentence sum in one op for all (`osum`), and only a token that closes a
+        sentence costs its track more (`SentenceTrack.count`, the arithmetic of `feed`)."""
+        chunks, ones = [], []
         for req in reqs:
             st = req.evict_state
             if st is None or st.track is None or st.hidden_rows is None:
@@ -307,25 +322,55 @@ class EvictRuntime:
             if first < prefill and not st.ledger.policy.config.prompt_sentences:
                 st.track.skip(ntok)  # the paper's SkipKV cuts the output only
             elif hidden is not None and (first < prefill or first == st.track.next_pos):
-                todo.append((req, st, tok, ntok, first))
-        if not todo:
+                (ones if ntok == 1 and st.slot >= 0 else chunks).append((req, st, tok, ntok, first))
+        if not chunks and not ones:
             return
-        idx = torch.tensor([t for _, _, tok, ntok, _ in todo for t in range(tok, tok + ntok)], device=hidden.device)
+        if self.osum is None or self.osum.shape[1] != hidden.shape[1]:
+            self.osum = torch.zeros(self.slots + 1, hidden.shape[1], dtype=torch.float32)
+        items = chunks + ones
+        idx = torch.tensor([t for _, _, tok, ntok, _ in items for t in range(tok, tok + ntok)], device=hidden.device)
         rows = hidden.index_select(0, idx).float().cpu()
         at = 0
-        for req, st, _, ntok, first in todo:
+        for req, st, _, ntok, first in chunks:  # prompt chunks: the track's own feed
+            if st.slot >= 0:
+                self._park(st)
             st.track.feed(_token_ids(req, first, ntok), rows[at:at + ntok])
+            if st.slot >= 0:
+                self._unpark(st)
             at += ntok
+        if ones:
+            slots = torch.tensor([st.slot for _, st, _, _, _ in ones])
+            self.osum[slots] += rows[at:]
+            for req, st, _, _, first in ones:
+                if st.track.count(_token_ids(req, first, 1)[0]):
+                    st.track.close_with(self.osum[st.slot].clone())
+                    self.osum[st.slot].zero_()
+
+    def _park(self, st: EvictState) -> None:
+        """The open-sentence sum of a state's slot into its track (the slot is about to change hands
+        or its track to feed on its own)."""
+        if st.track is not None and self.osum is not None:
+            st.track.open_sum = self.osum[st.slot].clone() if st.track.open_n else None
+
+    def _unpark(self, st: EvictState) -> None:
+        """The track's open-sentence sum back into the state's (new) slot."""
+        if st.track is not None and self.osum is not None:
+            if st.track.open_sum is None:
+                self.osum[st.slot].zero_()
+            else:
+                self.osum[st.slot] = st.track.open_sum
+            st.track.open_sum = None
 
     def _fill_writes(self, w_tok: list[int], w_slot: list[int], w_idx: list[int]) -> None:
+        """The step's ring writes (token, slot, ring index); unused entries write the scratch slot."""
         n = min(len(w_tok), self.nw)
-        host = torch.zeros(3, self.nw, dtype=torch.long)
-        host[1].fill_(self.slots)
+        host = self._writes_host
+        if n < self._writes_n:  # entries the last step used and this one does not: back to the scratch slot
+            host[:, n:self._writes_n] = torch.tensor([[0], [self.slots], [0]])
         if n:
-            host[0, :n] = torch.tensor(w_tok[:n])
-            host[1, :n] = torch.tensor(w_slot[:n])
-            host[2, :n] = torch.tensor(w_idx[:n])
-        self.writes.copy_(host, non_blocking=True)
+            host[:, :n] = torch.tensor([w_tok[:n], w_slot[:n], w_idx[:n]])
+        self._writes_n = n
+        self.writes.copy_(host, non_blocking=self.device.type == "cuda" and host.is_pinned())
 
     # -- the compaction --------------------------------------------------------------------------
     def _compact_group(self, items: list[tuple[RowRequest, EvictState, torch.Tensor]], kv_caches: list[torch.Tensor],
@@ -438,23 +483,38 @@ class EvictRuntime:
         table = cm.block_table_tensor
         dev = table.device
         width = min(table.shape[1], max(len(r[1]) for r in rewrite))
-        live_idx = torch.tensor([r[1][:width] + [0] * (width - len(r[1])) for r in rewrite], dtype=torch.long)
+        # each slot's live block-list indices, on the host, rewritten only when they change
+        if self._live_rows is None or self._live_rows.shape[1] != table.shape[1]:
+            self._live_rows = torch.zeros(self.slots + 1, table.shape[1], dtype=torch.long)
+            self._live_keys.clear()
+        for _, live, _, _, _, st in rewrite:
+            key = (id(st), st.ledger.compactions, len(live))
+            if self._live_keys.get(st.slot) != key:
+                m = min(len(live), table.shape[1])
+                self._live_rows[st.slot, :m] = torch.tensor(live[:m])
+                self._live_keys[st.slot] = key
+        # every index this needs, in one host tensor and one copy to the table's device
+        live_host = self._live_rows[[r[5].slot for r in rewrite], :width]
+        flat: list[int] = [r[0] for r in rewrite]
         tok_row, tok_idx, tok_phys = [], [], []
-        for j, (_, _, tok, ntok, phys_before) in enumerate(rewrite):
-            for t in range(ntok):
-                tok_row.append(j)
-                tok_idx.append(tok + t)
-                tok_phys.append(phys_before + t)
-        ridx = torch.tensor([r[0] for r in rewrite], device=dev)
-        tab = torch.gather(table[ridx, :], 1, live_idx.to(dev))  # entries past a row's live blocks are never read
-        tp = torch.tensor(tok_phys, device=dev)
-        slots = tab[torch.tensor(tok_row, device=dev), tp // block_size].to(cm.slot_mapping.dtype) * block_size \
-            + tp % block_size
-        sidx = torch.tensor(tok_idx, device=dev)
-        lens_t = torch.tensor(new_lens, dtype=cm.seq_lens.dtype)
+        for j, (_, _, tok, ntok, phys_before, _) in enumerate(rewrite):
+            tok_row.extend([j] * ntok)
+            tok_idx.extend(range(tok, tok + ntok))
+            tok_phys.extend(range(phys_before, phys_before + ntok))
+        nrw, ntk = len(rewrite), len(tok_row)
+        host = torch.cat([live_host.reshape(-1),
+                          torch.tensor(flat + tok_row + tok_idx + tok_phys + new_lens, dtype=torch.long)])
+        d = host if dev.type == "cpu" else host.to(dev)
+        live_idx = d[:nrw * width].view(nrw, width)
+        ridx = d[nrw * width:nrw * width + nrw]
+        at = nrw * width + nrw
+        rows_t, sidx, tp = d[at:at + ntk], d[at + ntk:at + 2 * ntk], d[at + 2 * ntk:at + 3 * ntk]
+        tab = torch.gather(table[ridx, :], 1, live_idx)  # entries past a row's live blocks are never read
+        slots = tab[rows_t, tp // block_size].to(cm.slot_mapping.dtype) * block_size + tp % block_size
+        lens_t = host[at + 3 * ntk:].to(cm.seq_lens.dtype)
         out = copy.copy(cm)
         if self.inplace:  # CUDA: the persistent tensors a captured graph reads
-            cm.seq_lens[:nr].copy_(lens_t.to(dev), non_blocking=True)
+            cm.seq_lens[:nr].copy_(d[at + 3 * ntk:])
             table[ridx.unsqueeze(1), torch.arange(width, device=dev)] = tab
         else:  # CPU: vLLM's block table tensor is its own host copy; rewrite copies
             out.seq_lens = cm.seq_lens.clone()
