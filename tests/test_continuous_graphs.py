@@ -146,3 +146,16 @@ def test_sequences_the_pool_cannot_hold_decode_eagerly(engine):
     assert [r.telemetry["decode_step"] for r in res] == ["eager", "static"]
     assert ce.generate([torch_req], "dense", {"kernel": "torch"})[0].telemetry["decode_step"] == "eager"
     assert ContinuousEngine(engine, slots=2).static_step is False  # a CPU: off unless asked
+
+
+def test_bench_decode_times_the_continuous_engine_with_and_without_the_pooled_step(engine):
+    """`bench decode --scheduler continuous`: one row per policy, the step the engine took."""
+    from cotserve.bench.decode import time_continuous
+
+    prompts = [engine.encode_prompt(p, chat=False) for p in PROMPTS[:2]]
+    rows = [time_continuous(engine, prompts, 5, "dense", {}, static_step=s) for s in (True, False)]
+    assert [r["decode_step"] for r in rows] == [["static"], ["eager"]]
+    for r in rows:
+        assert r["scheduler"] == "continuous" and r["cuda_graph_captures"] == 0
+        assert r["generated_tokens"] == 10 and r["decode_tok_s"] > 0 and r["prefill_s"] > 0
+        assert r["telemetry"]["batch_size"] == 2

@@ -46,7 +46,7 @@ import torch
 
 from cotserve.engine.batch import BatchState
 from cotserve.engine.cache import CacheShape, KVCache
-from cotserve.engine.graph_pool import PooledDecode, PoolRow, PoolSlot, SlotPool, row_kind
+from cotserve.engine.graph_pool import PooledDecode, PoolRow, PoolSlot, SlotPool, capturable, row_kind
 from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, _Slot
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
 from cotserve.errors import RequestError
@@ -194,11 +194,12 @@ class ContinuousEngine:
         self._cancel: set[str] = set()
         self.steps = 0
         # the pooled fixed-shape step (graph_pool.py): by default on CUDA with the engine's CUDA
-        # graphs, captured per batch-size bucket; static_step=True runs it on any device (eagerly
+        # graphs (and Triton, a power-of-two head dim), captured per batch-size bucket; static_step=True runs it on any device (eagerly
         # where it is not captured: how the tests check it on a CPU); False: never
         cuda = self.device.type == "cuda"
-        self.static_step = (cuda and engine.cuda_graphs) if static_step is None else static_step
-        self.capture = self.static_step and cuda and engine.cuda_graphs
+        can_capture = cuda and engine.cuda_graphs and capturable(engine)
+        self.static_step = can_capture if static_step is None else static_step
+        self.capture = self.static_step and can_capture
         self.pool_len = pool_len  # cache entries per pool slot: longer sequences decode eagerly
         self.sfi_k = sfi_k  # selected entries per KV head the pool's SFI buffers hold
         self._pool: SlotPool | None = None  # allocated when the first sequence joins it

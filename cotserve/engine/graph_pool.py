@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cotserve.engine.cache import CacheShape, KVCache
-from cotserve.kernels.decode_attention import decode_attention
+from cotserve.kernels.decode_attention import HAVE_TRITON, decode_attention
 from cotserve.policies.sfi.pooled import PooledSFI, PooledSlotSFI, poolable
 
 if TYPE_CHECKING:
@@ -54,6 +54,14 @@ def buckets(slots: int) -> list[int]:
         out.append(b)
         b *= 2
     return [*out, slots]
+
+
+def capturable(engine: NativeEngine) -> bool:
+    """Whether the pooled step can be captured for this engine's model: Triton is installed (the
+    torch twins of the kernels read lengths on the host) and the head dim is a power of two of at
+    least 16 (the dense kernel's tiles)."""
+    d = engine.info.head_dim
+    return HAVE_TRITON and d >= 16 and d & (d - 1) == 0
 
 
 def row_kind(stack: PolicyStack) -> str | None:
