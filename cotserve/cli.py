@@ -180,6 +180,12 @@ def bench_decode(
     batches: Annotated[str | None, typer.Option("--batches", help="vllm: comma-separated batch sizes "
                                                 "(default: --batch).")] = None,
     gpu_memory_utilization: GpuMemOpt = None,
+    scheduler: Annotated[str, typer.Option(help="native: static (one batch through the native engine) or "
+                                                "continuous (the continuous engine: one pool of --batch slots, "
+                                                "rows one after the other).")] = "static",
+    static_step: Annotated[bool | None, typer.Option("--static-step/--no-static-step", help="continuous: the "
+                                                     "pooled fixed-shape decode step (on CUDA captured per batch-size "
+                                                     "bucket) or the eager step; default: pooled on CUDA.")] = None,
 ) -> None:
     """Decode throughput of policies side by side on the same prompts (and transformers' generate)."""
     if engine == "vllm":
@@ -205,7 +211,7 @@ def bench_decode(
             policies=[policy], context=context, batch=batch,
             new_tokens=new_tokens, policy_opt=policy_opt, policy_file=policy_file, model=model,
             hf_baseline=hf_baseline, data_dir=data_dir, device=device, dtype=dtype, interleave=interleave,
-            random_tokens=random_tokens,
+            random_tokens=random_tokens, scheduler=scheduler, static_step=static_step,
         )
     except CotserveError as exc:
         fail(str(exc))

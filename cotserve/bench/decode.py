@@ -13,6 +13,7 @@ import torch
 
 from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
+from cotserve.errors import CotserveError
 from cotserve.models import load_model
 from cotserve.policies.registry import build_policy, parse_options
 
@@ -45,6 +46,50 @@ def time_native(engine: NativeEngine, prompts: list[list[int]], new_tokens: int,
     _sync(dev)
     out = _row(stack.name, first_token_at - t0, time.perf_counter() - first_token_at, results)
     _describe(out, stack)
+    if dev.type == "cuda":
+        out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out
+
+
+def time_continuous(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, policy: str,
+                    options: dict[str, Any], static_step: bool | None = None) -> dict[str, Any]:
+    """The same prompts through the continuous engine (`--scheduler continuous`): one pool of
+    len(prompts) slots, every prompt prefilled in the first step, then decode steps until all
+    finish. `static_step`: the engine's switch (None: the pooled step captured in CUDA graphs on
+    CUDA, the eager step elsewhere; False: the eager step). A short warm-up round of the same batch
+    size runs first, so the timed steps do not include the graphs' capture."""
+    from cotserve.engine.continuous import ContinuousEngine
+
+    k = int(options.get("k", options.get("sfi.k", 2048))) if "sfi" in policy.split("+") else 2048
+    longest = max(len(p) for p in prompts)
+    ce = ContinuousEngine(engine, slots=len(prompts), prefill_chunk=longest * len(prompts), static_step=static_step,
+                          pool_len=longest + new_tokens + 1, sfi_k=k)
+    dev = engine.device
+
+    def submit(ps: list[list[int]], n: int) -> None:
+        for p in ps:
+            ce.submit(GenRequest(p, SamplingParams(max_tokens=n, ignore_eos=True)), policy, options)
+
+    submit([p[:64] for p in prompts], 4)  # warm-up: the bucket's capture, kernel compilation
+    for _ in ce.run():
+        pass
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    submit(prompts, new_tokens)
+    _sync(dev)
+    t0 = time.perf_counter()
+    first = ce.step()  # every prompt's prefill and first token
+    _sync(dev)
+    t_first = time.perf_counter()
+    results = [d.result for d in first if d.result is not None]
+    for deltas in ce.run():
+        results.extend(d.result for d in deltas if d.result is not None)
+    _sync(dev)
+    out = _row(build_policy(policy, options).name, t_first - t0, time.perf_counter() - t_first, results,
+               skip=("decode_s", "decode_tok_s", "queue_s", "ttft_s", "prefill_s"))
+    out["scheduler"] = "continuous"
+    out["decode_step"] = sorted({r.telemetry["decode_step"] for r in results})
+    out["cuda_graph_captures"] = ce.pooled_step.captures if ce.static_step else 0
     if dev.type == "cuda":
         out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return out
@@ -173,8 +218,13 @@ def time_native_interleaved(engine: NativeEngine, prompts: list[list[int]], new_
 def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: int,
                      policy_opt: list[str] | None, policy_file: str | None, model: str,
                      hf_baseline: bool, data_dir: str | None, device: str, dtype: str,
-                     interleave: bool = True, random_tokens: bool = False) -> dict[str, Any]:
-    """`policies`: rows as `bench.specs` reads them (`dense`, `dense[kernel=torch]`, `sfi`, ...)."""
+                     interleave: bool = True, random_tokens: bool = False, scheduler: str = "static",
+                     static_step: bool | None = None) -> dict[str, Any]:
+    """`policies`: rows as `bench.specs` reads them (`dense`, `dense[kernel=torch]`, `sfi`, ...).
+    `scheduler`: static (the native engine's batch, `NativeEngine.stream`) or continuous (the
+    continuous engine, `time_continuous`, rows one after the other; `static_step` its switch)."""
+    if scheduler not in ("static", "continuous"):
+        raise CotserveError(f"scheduler must be static or continuous (got {scheduler!r})")
     from cotserve.bench.prompts import long_prompts_with_source
     from cotserve.bench.specs import parse_rows
 
@@ -187,7 +237,9 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
     prompts, source = long_prompts_with_source(engine.tokenizer, context, batch, data_dir, random_tokens=random_tokens)
     # warm-up (allocator, kernels) so the first policy is not penalised
     time_native(engine, [p[:64] for p in prompts], 4, "dense", {})
-    if interleave and len(runs) > 1:
+    if scheduler == "continuous":
+        rows = [time_continuous(engine, prompts, new_tokens, p, opts, static_step) for p, opts in runs]
+    elif interleave and len(runs) > 1:
         rows, _ = time_native_interleaved(engine, prompts, new_tokens, runs)
     else:
         rows = [time_native(engine, prompts, new_tokens, p, opts) for p, opts in runs]
@@ -220,7 +272,9 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
         "ratio_reference": ref.get("row"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "interleaved": bool(interleave and len(runs) > 1),
+        "interleaved": bool(interleave and len(runs) > 1 and scheduler == "static"),
+        "scheduler": scheduler,
+        "static_step": static_step,
         "machine": platform.machine(),
         "results": rows,
     }

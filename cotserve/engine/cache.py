@@ -39,6 +39,23 @@ class KVCache:
         # compactions[layer][slot]: how often `compact` rewrote that row (caches of per-entry
         # derived values, e.g. SFI's key norms, are valid only while this is unchanged)
         self.compactions = [[0] * shape.slots for _ in range(shape.layers)]
+        self.pooled = False  # a view of one slot of a larger cache (`slot_view`): never reallocated
+
+    def slot_view(self, slot: int) -> KVCache:
+        """A one-slot cache whose tensors are views of this cache's slot `slot`: writes through it
+        land in this cache (the continuous engine's pool: a sequence prefills into its slot with
+        the ordinary one-slot writes). It cannot grow or shrink."""
+        view = object.__new__(KVCache)
+        sh = self.shape
+        view.shape = CacheShape(sh.layers, 1, sh.kv_heads, sh.capacity, sh.head_dim)
+        view.k, view.v = self.k[:, slot : slot + 1], self.v[:, slot : slot + 1]
+        view.pos, view.lens = self.pos[:, slot : slot + 1], self.lens[:, slot : slot + 1]
+        view.device = self.device
+        view.checked = True
+        view._slots = torch.arange(1, device=self.device)
+        view.compactions = [[0] for _ in range(sh.layers)]
+        view.pooled = True
+        return view
 
     @property
     def capacity(self) -> int:
@@ -73,6 +90,8 @@ class KVCache:
             self._realloc(capacity)
 
     def _realloc(self, capacity: int) -> None:
+        if self.pooled:
+            raise ValueError("a pooled slot's cache has a fixed size")
         old_k, old_v, old_pos = self.k, self.v, self.pos
         n = min(capacity, self.capacity)
         self.shape = CacheShape(self.shape.layers, self.shape.slots, self.shape.kv_heads, capacity,

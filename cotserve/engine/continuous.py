@@ -24,6 +24,14 @@ never padded against each other in attention, and sequences with different polic
 step. Decode rows whose stack is dense through the C++ CPU kernel (`PolicyStack.kernel_dense`)
 attend together, one `ragged_decode` call per layer over their own caches (the same arithmetic as
 the kernel's one-sequence call, bit for bit); every other row goes through its own stack.
+
+On CUDA (or with `static_step=True` anywhere) dense and SFI sequences that fit a slot of
+`pool_len` entries decode instead in the pooled, fixed-shape step of `graph_pool.py`: their caches
+live in one pool allocated once per engine, the step reads its rows through persistent index
+tensors, and on CUDA it is captured once per batch-size bucket (1, 2, 4, ... up to `slots`) and
+replayed as the batch changes. They prefill into their slot eagerly, as above. Sequences of other
+policies (eviction, steering, ...) or longer than a slot keep the eager path described above; a
+step with both runs the replay and one eager forward.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 
 from cotserve.engine.batch import BatchState
 from cotserve.engine.cache import CacheShape, KVCache
+from cotserve.engine.graph_pool import PooledDecode, PoolRow, PoolSlot, SlotPool, capturable, row_kind
 from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, _Slot
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
 from cotserve.errors import RequestError
@@ -68,6 +77,8 @@ class _Seq:
     grows: bool = False  # its cache starts small and grows as it decodes (dense)
     steady: int = 0  # > 0: an evicting sequence's capacity once compacted (its cache shrinks to it)
     alloc_peak: int = 0  # the most K+V bytes its cache had allocated
+    pool_slot: int | None = None  # its slot in the pool when it decodes in the pooled step
+    kind: str = ""  # dense | sfi: its rows' kind in the pooled step
 
 
 class _Rows:
@@ -167,9 +178,10 @@ class ContinuousEngine:
 
     Not thread-safe: one thread calls `submit`, `cancel` and `step` (the worker's loop)."""
 
-    def __init__(self, engine: NativeEngine, slots: int | None = None, prefill_chunk: int = 256, grow: int = 256):
-        if prefill_chunk < 1 or grow < 1:
-            raise ValueError("prefill_chunk and grow must be at least 1")
+    def __init__(self, engine: NativeEngine, slots: int | None = None, prefill_chunk: int = 256, grow: int = 256,
+                 static_step: bool | None = None, pool_len: int = 4096, sfi_k: int = 2048):
+        if prefill_chunk < 1 or grow < 1 or pool_len < 2:
+            raise ValueError("prefill_chunk and grow must be at least 1, pool_len at least 2")
         self.grow = grow
         self.engine = engine
         self.slots = slots or engine.max_batch
@@ -181,6 +193,17 @@ class ContinuousEngine:
         self.running: list[_Seq] = []  # admitted: prefilling or decoding, in admission order
         self._cancel: set[str] = set()
         self.steps = 0
+        # the pooled fixed-shape step (graph_pool.py): by default on CUDA with the engine's CUDA
+        # graphs (and Triton, a power-of-two head dim), captured per batch-size bucket; static_step=True runs it on any device (eagerly
+        # where it is not captured: how the tests check it on a CPU); False: never
+        cuda = self.device.type == "cuda"
+        can_capture = cuda and engine.cuda_graphs and capturable(engine)
+        self.static_step = can_capture if static_step is None else static_step
+        self.capture = self.static_step and can_capture
+        self.pool_len = pool_len  # cache entries per pool slot: longer sequences decode eagerly
+        self.sfi_k = sfi_k  # selected entries per KV head the pool's SFI buffers hold
+        self._pool: SlotPool | None = None  # allocated when the first sequence joins it
+        self._pooled: PooledDecode | None = None
 
     # -- intake ----------------------------------------------------------------------------
     def submit(self, req: GenRequest, policy: str | PolicyStack | None = None,
@@ -211,12 +234,34 @@ class ContinuousEngine:
         """Slots that no running or waiting sequence will take."""
         return max(0, self.slots - len(self.running) - len(self.waiting))
 
+    @property
+    def pooled_step(self) -> PooledDecode:
+        """The pooled step and its slot pool, allocated at first use."""
+        if self._pooled is None:
+            self._pool = SlotPool(self.engine, self.slots, self.pool_len, self.sfi_k)
+            self._pooled = PooledDecode(self.engine, self._pool, self.capture)
+        return self._pooled
+
+    def _pool_cache(self, s: _Seq, capacity: int) -> KVCache | None:
+        """A slot of the pool for a sequence that can decode in the pooled step, else None."""
+        kind = row_kind(s.stack) if self.static_step else None
+        if kind is None:
+            return None
+        pool = self.pooled_step.pool
+        if not pool.fits(kind, s.stack, capacity):
+            return None
+        s.pool_slot, s.kind = pool.acquire(), kind
+        return pool.cache.slot_view(s.pool_slot)
+
     def _admit(self, s: _Seq) -> None:
         eng = self.engine
         info = eng.info
         n = s.slot.prompt_len
         capacity = s.stack.capacity([n], s.slot.max_new)
-        if s.stack.parts and all(p.name == "dense" for p in s.stack.parts):
+        cache = self._pool_cache(s, capacity)
+        if cache is not None:
+            pass  # a slot of the pool: fixed size, the whole sequence fits
+        elif s.stack.parts and all(p.name == "dense" for p in s.stack.parts):
             # dense holds no per-entry state of its own: its cache starts at the prompt plus
             # `grow` entries and grows as it decodes (`_grow`), so a pool of many slots does not
             # reserve every sequence's whole context up front
@@ -228,15 +273,23 @@ class ContinuousEngine:
             asked = [c for p in s.stack.parts if (c := p.capacity([1], s.slot.max_new)) is not None]
             if asked and min(asked) < capacity:  # a prompt longer than the steady state
                 s.steady = min(asked)
-        cache = KVCache(CacheShape(info.num_layers, 1, info.num_kv_heads, capacity, info.head_dim),
-                        eng.dtype, self.device)
+        if cache is None:
+            cache = KVCache(CacheShape(info.num_layers, 1, info.num_kv_heads, capacity, info.head_dim),
+                            eng.dtype, self.device)
         s.alloc_peak = cache.allocated_bytes_per_slot()
+        pool_slot = None if s.pool_slot is None else PoolSlot(self.pooled_step.pool, s.pool_slot)
         s.view = BatchState(info=info, cache=cache, policy=s.stack, scaling=eng.scaling,
                             prompt_lens=torch.tensor([n], device=self.device),
                             tokens=[list(s.slot.req.prompt_ids)],
                             active=torch.ones(1, dtype=torch.bool, device=self.device),
-                            extras={0: s.slot.req.extras}, lean=True)
-        s.stack.begin(s.view)
+                            extras={0: s.slot.req.extras}, lean=True, pool_slot=pool_slot)
+        try:
+            s.stack.begin(s.view)
+            if s.pool_slot is not None and not s.stack.graph_safe():
+                raise RuntimeError(f"policy {s.stack.name} took a pool slot but cannot decode in the pooled step")
+        except Exception:
+            self._drop(s)  # its pool slot goes back
+            raise
         s.state = "prefill"
         s.t_admit = time.perf_counter()
         self.running.append(s)
@@ -273,6 +326,9 @@ class ContinuousEngine:
             self.running.remove(s)
         elif s in self.waiting:
             self.waiting.remove(s)
+        if s.pool_slot is not None:  # its pool slot is free for the next sequence at once
+            self.pooled_step.pool.release(s.pool_slot)
+            s.pool_slot = None
         s.view = None  # the cache goes with it
 
     def _emit(self, s: _Seq, tok: int, text: str) -> Delta:
@@ -301,6 +357,42 @@ class ContinuousEngine:
             s.alloc_peak = max(s.alloc_peak, cache.allocated_bytes_per_slot())
 
     def _decode(self, seqs: list[_Seq], lean: bool) -> list[Delta]:
+        """One decode step of the running sequences: those in the pool through the pooled step
+        (captured on CUDA), the others through the eager step, each its own forward."""
+        pooled = [s for s in seqs if s.pool_slot is not None]
+        eager = [s for s in seqs if s.pool_slot is None]
+        deltas = self._decode_pooled(pooled, lean, len(seqs)) if pooled else []
+        if eager:
+            deltas.extend(self._decode_eager(eager, lean, len(seqs)))
+        return deltas
+
+    def _decode_pooled(self, seqs: list[_Seq], lean: bool, total: int) -> list[Delta]:
+        eng = self.engine
+        step = self.pooled_step
+        if step.pool.sfi is not None and any(s.kind == "sfi" for s in seqs):
+            step.pool.sfi.refresh_due()
+        rows = []
+        for s in seqs:
+            view = s.view
+            assert view is not None and s.pool_slot is not None
+            view.mode = "decode"
+            view.step = s.steps
+            s.stack.before_step(view)  # SFI plans its row
+            rows.append(PoolRow(s.pool_slot, s.kind, s.slot.out_ids[-1], s.slot.prompt_len + len(s.slot.out_ids) - 1))
+        hidden = step.run(rows, lean)
+        entry = 2 * eng.info.num_layers * eng.info.num_kv_heads * eng.info.head_dim * step.pool.cache.k.element_size()
+        for j, (s, row) in enumerate(zip(seqs, rows, strict=True)):
+            view = s.view
+            assert view is not None
+            view.hidden = hidden[j : j + 1]
+            s.kv_peak = max(s.kv_peak, (row.position + 1) * entry)  # nothing evicted in the pool: no device read
+            s.stack.after_forward(view)
+            s.steps += 1
+            s.rows_sum += total
+        logits = eng.logits(hidden[:, -1], _Rows(seqs, "logits", lean))  # type: ignore[arg-type]
+        return self._sample(seqs, logits)
+
+    def _decode_eager(self, seqs: list[_Seq], lean: bool, total: int) -> list[Delta]:
         eng = self.engine
         for s in seqs:
             if s.grows:
@@ -329,7 +421,7 @@ class ContinuousEngine:
             if s.steady:
                 self._shrink(s)
             s.steps += 1
-            s.rows_sum += len(seqs)
+            s.rows_sum += total
         logits = eng.logits(hidden[:, -1], rows)  # type: ignore[arg-type]
         return self._sample(seqs, logits)
 
@@ -414,6 +506,9 @@ class ContinuousEngine:
             "decode_s": round(decode_s, 4),
             "decode_tok_s": round((n - 1) / decode_s, 2) if decode_s > 0 and n > 1 else 0.0,
             "batch_size": round(s.rows_sum / s.steps, 2) if s.steps else 1,
+            # how its decode steps ran: cuda_graph (the pooled step, replayed), static (the pooled
+            # step, uncaptured) or eager (its own cache and policy stack)
+            "decode_step": ("cuda_graph" if self.capture else "static") if s.kind else "eager",
             "padding_fraction": 0.0,
         }
         view = s.view

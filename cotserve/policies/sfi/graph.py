@@ -42,6 +42,30 @@ def supported(cfg: SFIConfig) -> bool:
     return cfg.dense_heads == 0 and ring_size(cfg) <= W_MAX
 
 
+def plan_slot(st: SlotState, step: int, tokens: list[int], boundaries: frozenset[int]) -> tuple[int, int, int]:
+    """One sequence's decision for decode step `step` (its trigger: slow or fast), with its
+    counters and ring bookkeeping updated. Returns the row's window start (0 on a slow step: the
+    whole history as the window), its length after the step's entry and the ring index of the
+    step's query row."""
+    cfg = st.cfg
+    n = st.kv_len + 1
+    st.kv_len = n
+    slow = st.trigger.step(step, len(tokens) >= 2 and tokens[-2] in boundaries)
+    st.steps += 1
+    pos = n - 1
+    ring_idx = pos % len(st.ring_pos)
+    st.ring_pos[ring_idx] = pos
+    ws = 0 if slow else max(0, n - cfg.recent)
+    if slow:
+        st.slow_steps += 1
+        st.retained_sum += 1.0
+        st.refresh_n, st.refresh_lo = n, n - cfg.obs_window
+    else:  # an upper bound: compact entries the window covers are counted as read
+        read = min(st.k_eff + min(cfg.sinks, n), ws) + (n - ws)
+        st.retained_sum += min(1.0, read / n)
+    return ws, n, ring_idx
+
+
 class NativeGraphSFI(PagedSFI):
     """The paged SFI runtime over one native batch (module docstring); slot b = batch row b."""
 
@@ -101,7 +125,6 @@ class NativeGraphSFI(PagedSFI):
         """Finish the refreshes due from the previous step, decide slow or fast per slot with its
         trigger, and fill the row tensors and the step's ring writes."""
         self._refresh_due()
-        cfg = self.cfg
         b_n = len(self.states)
         rows = [[0] * b_n for _ in range(5)]  # mode, slot, token, window start, length
         writes = [[0] * b_n, [self.slots] * b_n, [0] * b_n]  # token, slot (scratch: none), ring index
@@ -109,24 +132,9 @@ class NativeGraphSFI(PagedSFI):
         for b, st in enumerate(self.states):
             if not active[b]:
                 continue
-            n = st.kv_len + 1
-            st.kv_len = n
-            toks = batch.tokens[b]
-            slow = st.trigger.step(batch.step, len(toks) >= 2 and toks[-2] in self.boundaries)
-            st.steps += 1
-            w = len(st.ring_pos)
-            pos = n - 1
-            writes[0][b], writes[1][b], writes[2][b] = b, b, pos % w
-            st.ring_pos[pos % w] = pos
-            ws = 0 if slow else max(0, n - cfg.recent)  # a slow step: the whole history as the window
+            ws, n, ring_idx = plan_slot(st, batch.step, batch.tokens[b], self.boundaries)
+            writes[0][b], writes[1][b], writes[2][b] = b, b, ring_idx
             rows[0][b], rows[1][b], rows[2][b], rows[3][b], rows[4][b] = 1, b, b, ws, n
-            if slow:
-                st.slow_steps += 1
-                st.retained_sum += 1.0
-                st.refresh_n, st.refresh_lo = n, n - cfg.obs_window
-            else:  # an upper bound: compact entries the window covers are counted as read
-                read = min(st.k_eff + min(cfg.sinks, n), ws) + (n - ws)
-                st.retained_sum += min(1.0, read / n)
         self.rows_t.copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
         self.writes_t.copy_(torch.tensor(writes, dtype=torch.long), non_blocking=True)
 

@@ -90,7 +90,13 @@ class SFIPolicy(Policy):
         cfg = self.config
         cache = batch.cache
         shape = cache.shape
-        self.runtime = None  # the paged runtime (graph.py), when it serves this batch
+        self.runtime = None  # the paged runtime (graph.py, pooled.py), when it serves this batch
+        pool_slot = batch.pool_slot
+        if pool_slot is not None and list(batch.policy.parts) == [self]:
+            # a slot of the continuous engine's pool: the pooled runtime (pooled.py), in its captured step
+            self.runtime = pool_slot.join_sfi(cfg, batch)
+            if self.runtime is not None:
+                return
         if cfg.kernel == "paged" or (cfg.kernel == "auto" and batch.cuda_graphs):
             from cotserve.policies.sfi import graph
 
