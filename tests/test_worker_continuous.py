@@ -95,9 +95,19 @@ def test_cancel_frees_the_slot_for_the_next_job(engine, queue):
 
 def test_scheduler_choice(engine, queue):
     assert type(make_worker(engine, queue, "static", worker_id="a")) is Worker
-    assert isinstance(make_worker(engine, queue, "continuous", worker_id="b", max_batch=3), ContinuousWorker)
+    w = make_worker(engine, queue, "continuous", worker_id="b", max_batch=3, pool_len=777)
+    assert isinstance(w, ContinuousWorker) and w.pool.pool_len == 777 and w.pool.slots == 3
     with pytest.raises(CotserveError, match="scheduler"):
         make_worker(engine, queue, "fifo")
+
+
+def test_a_bad_pool_length_is_refused_by_the_cli():
+    from typer.testing import CliRunner
+
+    from cotserve.cli import app
+
+    got = CliRunner().invoke(app, ["worker", "--redis-url", "redis://127.0.0.1:6379/15", "--pool-len", "1"])
+    assert got.exit_code != 0 and "--pool-len must be at least 2" in got.output
 
 
 def test_embedded_server_with_the_continuous_worker_streams_and_bench_reports_itl(engine):

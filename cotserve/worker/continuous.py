@@ -48,15 +48,20 @@ class ContinuousWorker(Worker):
     def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
                  poll_s: float = 0.01, cancel_poll_s: float = 0.05, prefill_chunk: int = 256,
-                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None):
+                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None, pool_len: int = 4096):
         super().__init__(engine, queue, worker_id=worker_id, max_batch=max_batch, max_wait=max_wait,
                          heartbeat_s=heartbeat_s, poll_s=poll_s, cancel_poll_s=cancel_poll_s, stats_s=stats_s,
                          metrics=metrics)
         self.prefill_chunk = prefill_chunk
-        self.pool = ContinuousEngine(engine, slots=self.max_batch, prefill_chunk=prefill_chunk)
+        self.pool_len = pool_len
+        self.pool = self._new_pool()
         self._jobs: dict[str, _Running] = {}
         self._seq: dict[str, tuple[str, int]] = {}  # request id -> (job id, sequence index)
         self._last_cancel_poll = 0.0
+
+    def _new_pool(self) -> ContinuousEngine:
+        return ContinuousEngine(self.engine, slots=self.max_batch, prefill_chunk=self.prefill_chunk,
+                                pool_len=self.pool_len)
 
     def run_once(self) -> int:
         """Reap now and then, claim jobs for the free slots, run one engine step; returns the
@@ -87,7 +92,7 @@ class ContinuousWorker(Worker):
             self._seq.clear()
             self._last_token_at.clear()
             self._running = set()
-            self.pool = ContinuousEngine(self.engine, slots=self.max_batch, prefill_chunk=self.prefill_chunk)
+            self.pool = self._new_pool()
             return claimed + 1
         self._publish_deltas(deltas)
         self._running = set(self._jobs)
@@ -196,12 +201,12 @@ SCHEDULERS = ("continuous", "static")
 
 
 def make_worker(engine: Any, queue: JobQueue, scheduler: str = "continuous", prefill_chunk: int = 256,
-                **kwargs: Any) -> Worker:
+                pool_len: int = 4096, **kwargs: Any) -> Worker:
     """The worker for `--scheduler`: continuous (native engine: a job joins whenever a slot is
     free) or static (a claimed group runs to its end before the next claim). Engines other than
     the native one (vLLM schedules its own batch) always get the static loop."""
     if scheduler not in SCHEDULERS:
         raise CotserveError(f"unknown scheduler {scheduler!r} (continuous or static)")
     if scheduler == "continuous" and isinstance(engine, NativeEngine):
-        return ContinuousWorker(engine, queue, prefill_chunk=prefill_chunk, **kwargs)
+        return ContinuousWorker(engine, queue, prefill_chunk=prefill_chunk, pool_len=pool_len, **kwargs)
     return Worker(engine, queue, **kwargs)

@@ -30,6 +30,7 @@ class EngineArgs:
     vllm_options: dict[str, Any] = field(default_factory=dict)  # VLLMOptions fields (--engine vllm)
     scheduler: str = "continuous"  # continuous | static (worker/continuous.py, make_worker)
     prefill_chunk: int = 256  # continuous: prompt tokens prefilled per engine step
+    pool_len: int = 4096  # continuous, CUDA: KV entries per slot of the pooled (captured) decode step
 
 
 def make_engine(engine_args: EngineArgs):
@@ -59,7 +60,7 @@ def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedd
         except CotserveError as exc:
             log.error("the worker cannot load its model: %s", exc)
             return
-        make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, worker_id=worker_id,
+        make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, pool_len=engine_args.pool_len, worker_id=worker_id,
                     max_batch=engine_args.max_batch, max_wait=engine_args.max_wait).run()
 
     t = threading.Thread(target=run, name="cotserve-worker", daemon=True)
@@ -90,7 +91,7 @@ def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_
         server = serve_metrics(metrics, metrics_host, metrics_port)
     try:
         engine = make_engine(engine_args)
-        worker = make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, worker_id=worker_id,
+        worker = make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, pool_len=engine_args.pool_len, worker_id=worker_id,
                              max_batch=engine_args.max_batch, max_wait=engine_args.max_wait,
                              heartbeat_s=heartbeat_s, stats_s=stats_s, metrics=metrics)
         for sig in (signal.SIGTERM, signal.SIGINT):
