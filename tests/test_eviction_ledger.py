@@ -76,4 +76,4 @@ def test_request_policies_the_vllm_engine_accepts():
     with pytest.raises(PolicyError, match="the engine's"):  # the vector is the engine's, not the request's
         request_policy_of({"cotserve": {"policy": "steering", "options": {"layer": 3}}})
     with pytest.raises(PolicyError, match="skipkv\\+sfi"):
-        request_policy_of({"cotserve": {"policy": "skipkv+sfi", "options": {"sfi.dense_heads": 0}}})
+        request_policy_of({"cotserve": {"policy": "skipkv+sfi", "options": {"sfi.dense_heads": 0}}}, platform="cuda")

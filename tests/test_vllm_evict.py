@@ -13,6 +13,13 @@ one and a steering one; the native engine decodes each alone:
   the steps, steers at least once, and changes the output against dense;
 * a second engine with a KV cache too small for all its requests preempts the skipkv request:
   it is recomputed from scratch and finishes, and the dense requests are not corrupted.
+
+Then the same engine decodes a `skipkv+sfi` request (eviction, then SFI reading the compacted cache
+sparsely; budget 256, SFI with k 64 and a 64-entry window) alone, against the native engine's
+`skipkv+sfi`: at least 95 % of its greedy tokens agree, with the same compaction points and the
+same entries kept at the first, the SFI slow steps counted as the native engine counts them, and
+every compaction returning blocks to the pool; SFI changes the text against skipkv alone. An
+eviction combined with a policy the vLLM engine does not run (`h2o+sfi`) is refused when it arrives.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from cotserve.policies.steering import shipped_dir  # noqa: E402
 CTX, NEW = 1024, 512
 SKIPKV = {"budget": 256, "interval": 128}
 STEER = {"alpha0": 4.0, "gamma": 0.5}
+COMBO = {"skipkv.budget": 256, "skipkv.interval": 128, "sfi.k": 64, "sfi.recent": 64, "sfi.dense_heads": 0}
 SCHEDULER = "cotserve.vllm.scheduler.EvictingScheduler"
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M in float32: layers x KV heads x head dim x (K, V)
 
@@ -56,7 +64,8 @@ def _llm(loaded, kv_bytes: int):
 def _params(policy: str | None):
     from vllm import SamplingParams as VSP
 
-    extra = {"cotserve": {"policy": policy, "options": STEER if policy == "steering" else SKIPKV}} if policy else None
+    opts = {"steering": STEER, "skipkv+sfi": COMBO, "h2o+sfi": {"sfi.dense_heads": 0}}.get(policy, SKIPKV)
+    extra = {"cotserve": {"policy": policy, "options": opts}} if policy else None
     return VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True, extra_args=extra)
 
 
@@ -73,6 +82,15 @@ def vllm_run(loaded, prompts, tmp_path_factory):
         try:
             outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 3,
                                 [_params("skipkv"), _params(None), _params("steering")], use_tqdm=False)
+            first = {"telemetry": _read_lines(tele), "trace": _read_lines(trace)}
+            (combo,) = llm.generate([{"prompt_token_ids": prompts[0]}], [_params("skipkv+sfi")], use_tqdm=False)
+            # SFI's telemetry line is written when its row is released: at the next step
+            llm.generate([{"prompt_token_ids": prompts[1][:16]}], [_params(None)], use_tqdm=False)
+            refused = None
+            try:
+                llm.generate([{"prompt_token_ids": prompts[1][:32]}], [_params("h2o+sfi")], use_tqdm=False)
+            except Exception as exc:  # vLLM's validation error
+                refused = str(exc)
         finally:
             del llm  # its engine process ends with it
     finally:
@@ -82,29 +100,39 @@ def vllm_run(loaded, prompts, tmp_path_factory):
             "steering": list(outs[2].outputs[0].token_ids),
             "steering_client_telemetry": (outs[2].kv_transfer_params or {}).get("cotserve"),
             "client_telemetry": (outs[0].kv_transfer_params or {}).get("cotserve"),
-            "telemetry": _read_lines(tele), "trace": _read_lines(trace)}
+            **first,
+            "combo": list(combo.outputs[0].token_ids),
+            "combo_client_telemetry": (combo.kv_transfer_params or {}).get("cotserve"),
+            "combo_telemetry": _read_lines(tele)[len(first["telemetry"]):],
+            "combo_trace": _read_lines(trace)[len(first["trace"]):], "refused": refused}
 
 
 @pytest.fixture(scope="module")
 def native_run(loaded, prompts):
-    kept: list = []
+    kept: dict[str, list] = {"skipkv": [], "skipkv+sfi": []}
     original = ScoredEviction.compact_slot
-
-    def spy(self, batch, slot):  # records what each compaction kept (observes only)
-        original(self, batch, slot)
-        kept.append(batch.cache.pos[:, slot, :, : self.budget].tolist())
-
     eng = NativeEngine(loaded, max_batch=1)
     sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    ScoredEviction.compact_slot = spy
-    try:
-        (sk,) = eng.generate([GenRequest(prompts[0], sp)], "skipkv", SKIPKV)
-    finally:
-        ScoredEviction.compact_slot = original
+
+    def evicting(policy: str, options: dict):
+        def spy(self, batch, slot):  # records what each compaction kept (observes only)
+            original(self, batch, slot)
+            kept[policy].append(batch.cache.pos[:, slot, :, : self.budget].tolist())
+
+        ScoredEviction.compact_slot = spy
+        try:
+            (res,) = eng.generate([GenRequest(prompts[0], sp)], policy, options)
+        finally:
+            ScoredEviction.compact_slot = original
+        return res
+
+    sk = evicting("skipkv", SKIPKV)
+    combo = evicting("skipkv+sfi", COMBO)
     (dense,) = eng.generate([GenRequest(prompts[0], sp)], "dense")
     (steer,) = eng.generate([GenRequest(prompts[0], sp)], "steering", STEER)
-    out = {"skipkv": sk.token_ids, "telemetry": sk.telemetry, "kept": kept, "dense": dense.token_ids,
-           "steering": steer.token_ids, "steering_telemetry": steer.telemetry}
+    out = {"skipkv": sk.token_ids, "telemetry": sk.telemetry, "kept": kept["skipkv"], "dense": dense.token_ids,
+           "steering": steer.token_ids, "steering_telemetry": steer.telemetry, "combo": combo.token_ids,
+           "combo_telemetry": combo.telemetry, "combo_kept": kept["skipkv+sfi"]}
     for i in (1,):
         (r,) = eng.generate([GenRequest(prompts[i], sp)], "dense")
         out[f"dense{i}"] = r.token_ids
@@ -181,3 +209,40 @@ def test_preempted_evicting_request_is_recomputed_and_corrupts_nothing(loaded, p
     assert len(outs[2].outputs[0].token_ids) == NEW
     assert _agreement(list(outs[0].outputs[0].token_ids), native_run["dense"]) >= 0.95
     assert _agreement(list(outs[1].outputs[0].token_ids), native_run["dense1"]) >= 0.95
+
+
+def test_vllm_skipkv_sfi_agrees_with_native_skipkv_sfi(vllm_run, native_run):
+    assert _agreement(vllm_run["combo"], native_run["combo"]) >= 0.95
+    # SFI reads sparsely: on this prompt it changes the text against skipkv alone, on both engines
+    assert _agreement(native_run["combo"], native_run["skipkv"]) < 0.95
+    assert _agreement(vllm_run["combo"], vllm_run["skipkv"]) < 0.95
+
+
+def test_skipkv_sfi_compacts_as_native_and_counts_its_slow_steps(vllm_run, native_run):
+    tele = native_run["combo_telemetry"]
+    (mine,) = [t for t in vllm_run["combo_telemetry"] if t.get("policy") == "skipkv"]
+    assert mine["compactions"] == tele["compactions"] == 4  # after the prompt, then every 128 steps
+    assert mine["evicted_tokens"] == tele["evicted_tokens"]
+    assert mine["kv_entries_peak"] == tele["kv_entries_peak"] == CTX
+    assert [t["compaction"] for t in vllm_run["combo_trace"]] == [1, 2, 3, 4]
+    assert vllm_run["combo_trace"][0]["positions"] == native_run["combo_kept"][0]
+    (sfi,) = [t for t in vllm_run["combo_telemetry"] if "sfi_steps" in t]
+    assert sfi["sfi_steps"] == tele["sfi_steps"] == NEW - 1  # every decode forward (the first token is the prompt's)
+    # slow steps: the trigger's (sentence ends, at most 64 steps apart) on each engine's own text
+    assert sfi["sfi_slow_steps"] >= NEW // 64 and tele["sfi_slow_steps"] >= NEW // 64
+    assert abs(sfi["sfi_slow_steps"] - tele["sfi_slow_steps"]) <= max(1, tele["sfi_slow_steps"] // 10)
+    assert sfi["sfi_retained_ratio"] == pytest.approx(tele["sfi_retained_ratio"], abs=0.05)
+    assert sfi["sfi_selected_per_head"] == tele["sfi_selected_per_head"] == COMBO["sfi.k"]
+
+
+def test_skipkv_sfi_compactions_return_blocks_to_the_pool(vllm_run):
+    (mine,) = [t for t in vllm_run["combo_telemetry"] if t.get("policy") == "skipkv"]
+    assert len(mine["free_blocks"]) == mine["compactions"] == 4
+    for before, after in mine["free_blocks"]:
+        assert after > before
+    assert mine["blocks_freed"] == sum(a - b for b, a in mine["free_blocks"]) > 0
+    assert vllm_run["combo_client_telemetry"]["compactions"] == 4
+
+
+def test_eviction_with_a_policy_vllm_does_not_run_is_refused(vllm_run):
+    assert vllm_run["refused"] is not None and "'h2o' is not available on the vllm engine" in vllm_run["refused"]

@@ -6,6 +6,10 @@ an SFI request's decode rows, vLLM's kernel is given a length of one entry (it r
 the history) and the row is computed by `SFIRuntime` from the paged cache: fast steps from the
 compact buffers plus the recent window, slow steps densely with the selector's evidence.
 Prefill is vLLM's; its last chunk bootstraps the selection.
+
+Per step, in the metadata builder: the pending selections of SFI requests that also evict (on the
+cache their refresh step saw), then the eviction runtime's `plan` (compactions, the metadata in
+physical terms), then SFI's plan on that metadata.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         steer = runtime_access.steer_for(self.vllm_config)
         if steer is not None:
             steer.plan(ROWS, cm)
+        rt = runtime_access.current()
+        if rt is not None:  # refreshes of requests that also evict: before their compaction
+            rt.select_pending()
         ev = runtime_access.evict_for(self.vllm_config, self.device)
         if ev is not None:
             if self._evict_paged is None:
@@ -44,7 +51,7 @@ class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         rt = runtime_access.runtime_for(self.vllm_config, self.layer_names, self.device)
         if rt is None:
             ROWS.take_released()  # rows that left: only an SFI runtime has state to free for them
-        plan = rt.plan_step(cm, self.block_size) if rt is not None else None
+        plan = rt.plan_step(cm, self.block_size, ev) if rt is not None else None
         if plan is not None and plan.decode_rows:
             cm = copy.copy(cm)
             seq_lens = cm.seq_lens.clone()

@@ -149,6 +149,11 @@ class GraphSFI(PagedSFI):
 
     def _admit(self, req: RowRequest) -> SlotState | None:
         cfg: SFIConfig = req.sfi
+        if req.evict is not None:  # refused when it arrives on CUDA (`requests.request_policy_of`)
+            log.warning("sfi: combined with %s, SFI runs on the CPU backend only; this request decodes densely "
+                        "with its eviction", req.evict.name)
+            req.sfi = None
+            return None
         if cfg.k > self.max_k or ring_size(cfg) > W_MAX or cfg.sinks > self.C - self.max_k:
             log.warning("sfi: request options beyond the engine's buffers (k <= %d, prefill/obs_window <= %d); "
                         "it decodes densely", self.max_k, W_MAX)

@@ -93,8 +93,21 @@ class RequestPolicy:
     steer: Any = None
 
 
-def request_policy_of(extra_args: dict[str, Any] | None) -> RequestPolicy:
-    """The request's policy parts; PolicyError for anything the vLLM engine does not run."""
+def vllm_platform() -> str:
+    """The platform vLLM runs on here: "cuda", "cpu" (also when vLLM is not installed), or another name."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
+
+
+def request_policy_of(extra_args: dict[str, Any] | None, platform: str | None = None) -> RequestPolicy:
+    """The request's policy parts; PolicyError for anything the vLLM engine does not run.
+    `platform` ("cpu", "cuda"): where it would run (None: where vLLM runs in this process); an
+    eviction policy combined with SFI runs on the CPU backend only."""
     from cotserve.policies.registry import build_policy
 
     policy, options = policy_of(extra_args)
@@ -122,7 +135,7 @@ def request_policy_of(extra_args: dict[str, Any] | None) -> RequestPolicy:
                                   "shipped for the model, or $COTSERVE_VLLM_STEERING_VECTOR); a request sets alpha0, "
                                   "gamma, enabled and thought_rules")
             out.steer = part
-    if out.sfi is not None and out.evict is not None:
-        raise PolicyError(f"{out.evict.name}+sfi is not available on the vllm engine yet (each runs alone there); "
-                          "use --engine native for the combination")
+    if out.sfi is not None and out.evict is not None and (platform or vllm_platform()) != "cpu":
+        raise PolicyError(f"{out.evict.name}+sfi is not available on the vllm engine on CUDA (each runs alone there; "
+                          "the combination runs on vllm-cpu); use --engine native for the combination")
     return out

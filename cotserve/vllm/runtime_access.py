@@ -36,14 +36,32 @@ class Access:
         m = _LAYER.search(layer.layer_name)
         return int(m.group(1)) if m else 0
 
-    def plan_step(self, cm, block_size: int) -> StepPlan | None:
+    def select_pending(self) -> None:
+        """Pending selections of requests that also evict, before the eviction runtime's `plan`
+        (`SFIRuntime.select_pending`)."""
+        if self.paged is not None:
+            self.runtime.select_pending(ROWS, self.paged, self.kv_caches())
+
+    def plan_step(self, cm, block_size: int, evict=None) -> StepPlan | None:
+        """The step's SFI plan; `evict`: the eviction runtime whose `plan` rewrote `cm` to physical terms."""
         if not any(r.sfi is not None for r in ROWS.rows.values()) and not ROWS.released:
             self.runtime.plan_now = None
             return None
         if self.paged is None:
             self.paged = make_paged(self.layers[0], block_size, self.runtime.dtype)
         qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
-        return self.runtime.plan(ROWS, cm.num_reqs, qsl, self.paged, self.kv_caches(), cm.block_table_tensor)
+        lens, positions = None, None
+        if evict is not None and any(r.sfi is not None and r.evict is not None for r in ROWS.rows.values()):
+            from cotserve.vllm.evict_runtime import host_lens
+
+            lens = host_lens(cm)[: cm.num_reqs].tolist()
+
+            def positions(req, n: int) -> torch.Tensor | None:
+                est = req.evict_state
+                return evict.positions(est, n) if est is not None and est.pos is not None else None
+
+        return self.runtime.plan(ROWS, cm.num_reqs, qsl, self.paged, self.kv_caches(), cm.block_table_tensor,
+                                 lens, positions)
 
 
 _ACCESS: Access | None = None
