@@ -148,14 +148,19 @@ def test_vllm_skipkv_agrees_with_native_skipkv(vllm_run, native_run):
     assert _agreement(vllm_run["skipkv"], native_run["skipkv"]) >= 0.95
 
 
+def _same_compactions(mine: dict, native: dict, trace: list[dict], native_kept: list) -> None:
+    """The same compaction points, evicted count and peak as the native engine, and the same kept
+    entries (every layer and KV head) at the first compaction."""
+    assert mine["compactions"] == native["compactions"] == 4  # after the prompt, then every 128 steps
+    assert mine["evicted_tokens"] == native["evicted_tokens"]
+    assert mine["kv_entries_peak"] == native["kv_entries_peak"] == CTX
+    assert [t["compaction"] for t in trace] == [1, 2, 3, 4]
+    assert trace[0]["positions"] == native_kept[0]
+
+
 def test_same_compaction_points_and_first_kept_entries(vllm_run, native_run):
-    tele = native_run["telemetry"]
     (mine,) = [t for t in vllm_run["telemetry"] if t.get("policy") == "skipkv"]
-    assert mine["compactions"] == tele["compactions"] == 4  # after the prompt, then every 128 steps
-    assert mine["evicted_tokens"] == tele["evicted_tokens"]
-    assert mine["kv_entries_peak"] == tele["kv_entries_peak"] == CTX
-    assert [t["compaction"] for t in vllm_run["trace"]] == [1, 2, 3, 4]
-    assert vllm_run["trace"][0]["positions"] == native_run["kept"][0]
+    _same_compactions(mine, native_run["telemetry"], vllm_run["trace"], native_run["kept"])
 
 
 def test_each_compaction_returns_blocks_to_the_pool(vllm_run):
@@ -221,11 +226,7 @@ def test_vllm_skipkv_sfi_agrees_with_native_skipkv_sfi(vllm_run, native_run):
 def test_skipkv_sfi_compacts_as_native_and_counts_its_slow_steps(vllm_run, native_run):
     tele = native_run["combo_telemetry"]
     (mine,) = [t for t in vllm_run["combo_telemetry"] if t.get("policy") == "skipkv"]
-    assert mine["compactions"] == tele["compactions"] == 4  # after the prompt, then every 128 steps
-    assert mine["evicted_tokens"] == tele["evicted_tokens"]
-    assert mine["kv_entries_peak"] == tele["kv_entries_peak"] == CTX
-    assert [t["compaction"] for t in vllm_run["combo_trace"]] == [1, 2, 3, 4]
-    assert vllm_run["combo_trace"][0]["positions"] == native_run["combo_kept"][0]
+    _same_compactions(mine, tele, vllm_run["combo_trace"], native_run["combo_kept"])
     (sfi,) = [t for t in vllm_run["combo_telemetry"] if "sfi_steps" in t]
     assert sfi["sfi_steps"] == tele["sfi_steps"] == NEW - 1  # every decode forward (the first token is the prompt's)
     # slow steps: the trigger's (sentence ends, at most 64 steps apart) on each engine's own text
