@@ -4,7 +4,10 @@ For each batch row flagged fast (`row_mode == 1`) and each KV head, the G query 
 group attend over two segments in one online softmax:
 
 * the request's compact buffer (`ck`, `cv` [slots, Hkv, C, D], positions `cpos` [slots, Hkv, C]),
-  entries read where 0 <= cpos < window start (the moving window covers the newer ones);
+  entries read where 0 <= cpos < the row's cutoff (the moving window covers the newer ones): the
+  window start, or, for a request whose cache was compacted by an eviction policy, `row_cws`
+  [rows, Hkv], the true position of each KV head's first window entry (cpos are true positions
+  then, while the window is read by cache index);
 * the recent window, positions [ws, n), read in place from vLLM's paged cache through the
   row's block table (`key_cache`, `value_cache` [blocks, block_size, Hkv, D]).
 
@@ -32,8 +35,10 @@ except Exception:  # pragma: no cover - depends on the install
 
 
 def sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot,
-                             row_tok, row_ws, row_len, scale: float) -> torch.Tensor:
-    """Plain torch: q/out [tokens, Hq, D]; writes out[tok] of every fast row; returns out."""
+                             row_tok, row_ws, row_len, scale: float, row_cws: torch.Tensor | None = None
+                             ) -> torch.Tensor:
+    """Plain torch: q/out [tokens, Hq, D]; writes out[tok] of every fast row; returns out.
+    `row_cws` [rows, Hkv]: the compact entries' cutoff per KV head (None: the window start)."""
     hkv = ck.shape[1]
     hq = q.shape[1]
     g = hq // hkv
@@ -45,7 +50,8 @@ def sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block
         pos = torch.arange(ws, n, device=q.device)
         blocks = block_table[row, pos // bs].long()
         for h in range(hkv):
-            sel = (cpos[slot, h] >= 0) & (cpos[slot, h] < ws)
+            cut = ws if row_cws is None else int(row_cws[row, h])
+            sel = (cpos[slot, h] >= 0) & (cpos[slot, h] < cut)
             keys = torch.cat([ck[slot, h][sel], key_cache[blocks, pos % bs, h]], 0).float()
             vals = torch.cat([cv[slot, h][sel], value_cache[blocks, pos % bs, h]], 0).float()
             qh = q[tok, h * g : (h + 1) * g].float()
@@ -69,15 +75,15 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _compact_range(q, CK, CV, CPOS, slot, h, ws, lo, hi, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s,
+    def _compact_range(q, CK, CV, CPOS, slot, h, cut, lo, hi, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s,
                        scp_h, m_i, l_i, acc, C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Compact entries [lo, hi) of (slot, KV head h), read where 0 <= position < ws."""
+        """Compact entries [lo, hi) of (slot, KV head h), read where 0 <= position < cut."""
         offs_d = tl.arange(0, D)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             inb = offs_n < C
             cp = tl.load(CPOS + slot * scp_s + h * scp_h + offs_n, mask=inb, other=-1)
-            valid = (cp >= 0) & (cp < ws)
+            valid = (cp >= 0) & (cp < cut)
             k = tl.load(CK + slot * sck_s + h * sck_h + offs_n[:, None] * sck_c + offs_d[None, :],
                         mask=inb[:, None], other=0.0)
             v = tl.load(CV + slot * scv_s + h * scv_h + offs_n[:, None] * scv_c + offs_d[None, :],
@@ -114,7 +120,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sfi_fast_kernel(Q, Out, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
-                         sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
+                         CWS, scw_r, scw_h, sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
                          skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
                          C: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -128,7 +134,8 @@ if HAVE_TRITON:
             m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
             l_i = tl.zeros([GP], dtype=tl.float32)
             acc = tl.zeros([GP, D], dtype=tl.float32)
-            m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, ws, 0, C, sck_s, sck_h, sck_c, scv_s, scv_h,
+            cws = tl.load(CWS + row * scw_r + h * scw_h)
+            m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, cws, 0, C, sck_s, sck_h, sck_c, scv_s, scv_h,
                                            scv_c, scp_s, scp_h, m_i, l_i, acc, C, D, BLOCK_N)
             m_i, l_i, acc = _window_range(q, KC, VC, BT, row, h, ws, n, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
                                           sbt_r, m_i, l_i, acc, D, BS, BLOCK_N)
@@ -141,7 +148,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sfi_fast_split_kernel(Q, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
-                               PM, PL, PACC, sq_t, sq_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
+                               CWS, scw_r, scw_h, PM, PL, PACC, sq_t, sq_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
                                skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
                                C: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr, G: tl.constexpr,
                                GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -159,7 +166,8 @@ if HAVE_TRITON:
             l_i = tl.zeros([GP], dtype=tl.float32)
             acc = tl.zeros([GP, D], dtype=tl.float32)
             if sp < NS - 1:
-                m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, ws, sp * CHUNK, (sp + 1) * CHUNK, sck_s,
+                cws = tl.load(CWS + row * scw_r + h * scw_h)
+                m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, cws, sp * CHUNK, (sp + 1) * CHUNK, sck_s,
                                                sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h, m_i, l_i, acc, C, D,
                                                BLOCK_N)
             else:
@@ -215,14 +223,15 @@ def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
 
 def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok,
                    row_ws, row_len, scale: float, rows: int | None = None, block_n: int = 64,
-                   splits: int | None = None) -> torch.Tensor:
+                   splits: int | None = None, row_cws: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel over `rows` batch rows (default: all of row_mode). Same contract as the
-    reference. key_cache/value_cache may be strided views; the last dim must be contiguous.
+    reference (`row_cws` [rows, Hkv] int32, or None: the window start is every head's cutoff).
+    key_cache/value_cache may be strided views; the last dim must be contiguous.
     `splits` > 1 spreads each (row, KV head) over that many programs (split-K: compact chunks and
     the window) and combines their partial softmaxes in a second launch; default `default_splits`."""
     if not HAVE_TRITON:
         return sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode,
-                                        row_slot, row_tok, row_ws, row_len, scale)
+                                        row_slot, row_tok, row_ws, row_len, scale, row_cws)
     hkv, c, d = ck.shape[1], ck.shape[2], ck.shape[3]
     g = q.shape[1] // hkv
     gp = max(16, triton.next_power_of_2(g))
@@ -232,10 +241,12 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     common = (ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2), cpos.stride(0),
               cpos.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
               value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale))
+    cws = (row_ws, row_ws.stride(0), 0) if row_cws is None else (row_cws, row_cws.stride(0), row_cws.stride(1))
     ns = default_splits(rows, hkv, q.device) if splits is None else splits
     if ns <= 1:
         _sfi_fast_kernel[(rows, hkv)](
             q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len,
+            *cws,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
             C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
         return out
@@ -244,7 +255,7 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     pl = torch.empty_like(pm)
     pacc = torch.empty(rows, hkv, ns, gp, d, dtype=torch.float32, device=q.device)
     _sfi_fast_split_kernel[(rows, hkv, ns)](
-        q, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len,
+        q, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len, *cws,
         pm, pl, pacc, q.stride(0), q.stride(1), *common,
         C=c, CHUNK=chunk, NS=ns, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
     _sfi_combine_kernel[(rows, hkv)](out, row_mode, row_tok, pm, pl, pacc, out.stride(0), out.stride(1),

@@ -47,6 +47,26 @@ def test_kernel_matches_reference(seed, splits):
     assert not torch.any(out[fast_toks] == 7.0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_per_head_cutoff_matches_reference(splits):
+    """A compacted request's cutoff differs per KV head (true positions): each head reads exactly the
+    compact entries older than its own cutoff, and the kernel agrees with the reference."""
+    q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = _case(5)
+    gen = torch.Generator().manual_seed(9)
+    cws = torch.randint(0, int(lens.max()), (mode.shape[0], ck.shape[1]), generator=gen).to(torch.int32)
+    poison = torch.full_like(q, 7.0)
+    ref = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
+                                      row_cws=cws)
+    out = sp.sfi_paged_fast(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16,
+                            splits=splits, row_cws=cws)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    same = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
+                                       row_cws=ws.view(-1, 1).expand(-1, ck.shape[1]).contiguous())
+    plain = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3)
+    assert torch.equal(same, plain)  # the window start as every head's cutoff is the plain form
+    assert not torch.allclose(ref, plain, atol=1e-3)  # and the per-head cutoffs change what is read
+
+
 def test_reference_is_attention_over_the_union():
     """The reference equals plain softmax attention over (compact entries before the window) U window."""
     q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = _case(5)

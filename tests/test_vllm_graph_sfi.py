@@ -147,3 +147,137 @@ def test_no_compilation_after_the_warm_up_cuda():
                       blocks, 16)
     torch.cuda.synchronize()
     assert compiled() == before
+
+
+def _compacted_positions(gen, n: int, first_tail: int, tail: int = 40) -> torch.Tensor:
+    """True positions [L, HKV, n] of a compacted request's physical entries: per head, the sinks,
+    then a sorted sample of older positions (what an eviction kept), then a tail of consecutive
+    positions from `first_tail` on (the entries written after that compaction)."""
+    rows = []
+    for _ in range(L * HKV):
+        kept = torch.sort(torch.randperm(first_tail - 4, generator=gen)[: n - 4 - tail] + 4).values
+        rows.append(torch.cat([torch.arange(4), kept, torch.arange(first_tail, first_tail + tail)]))
+    return torch.stack(rows).view(L, HKV, n)
+
+
+def test_compacted_refresh_equals_eager_selection(setup):
+    """A request whose cache an eviction policy compacted: the refresh masks rows, weighs the
+    prior and fills the compact positions by the entries' true positions, and selects and packs
+    exactly what the eager runtime (the CPU backend's, from the native policy's functions) does."""
+    gen, caches, cfg, g = setup
+    n, first_tail, slot = 150, 300, 1
+    tpos = _compacted_positions(gen, n, first_tail)
+    qpos = first_tail + 39  # the newest entry's true position
+    blocks = torch.randperm(NB, generator=gen)[:12].to(torch.int32)
+    q = torch.randn(L, 8, HQ, D, generator=gen)
+    ring_pos = [-1] * 8
+    seq = SeqState(cfg=cfg, trigger=RefreshTrigger(), prompt_len=10, ring=torch.zeros(L, HQ, 8, D),
+                   ring_pos=[-1] * 8, ck=torch.zeros(L, HKV, 28, D), cv=torch.zeros(L, HKV, 28, D),
+                   cpos=torch.full((L, HKV, 28), -1, dtype=torch.long))
+    for p in range(qpos - 7, qpos + 1):
+        g.ring[:, slot, p % 8] = q[:, p % 8]
+        seq.ring[:, :, p % 8] = q[:, p % 8]
+        ring_pos[p % 8] = p
+        seq.ring_pos[p % 8] = p
+    eager = SFIRuntime(L, HQ, HKV, D, 0.25, torch.float32, torch.device("cpu"))
+    paged = FlashPaged()
+    for layer in range(L):
+        k, _ = paged.read(caches[layer], blocks, 0, n)
+        idx, row_pos = eager._rows(seq, qpos + 1 - cfg.obs_window, qpos + 1)
+        qrows = seq.ring[layer, :, idx]
+        logits = torch.matmul(qrows.reshape(HKV, (HQ // HKV) * len(idx), -1) * 0.25, k.transpose(-1, -2)).float()
+        eager._stash(layer, seq, logits.view(HKV, HQ // HKV, len(idx), n), row_pos, n, tpos[layer])
+    seq.refresh_pos = tpos
+    eager._select(seq, paged, caches, blocks)
+    st = SlotState(cfg, RefreshTrigger(), 10, slot, ring_pos=ring_pos, refresh_n=n, refresh_lo=qpos + 1 - 8,
+                   refresh_hi=qpos + 1, refresh_pos=tpos, refresh_blocks=blocks)
+    g.refresh_all([(st, st.refresh_blocks)], BS)
+    m = 4 + 24
+    got = g.cpos[:, slot, :, :m].long()
+    assert torch.equal(got, seq.cpos[:, :, :m])  # true positions, both sorted ascending
+    assert bool((got[..., 4:] > 400).sum() == 0) and bool((got[..., 4:] >= first_tail).any())
+    assert torch.equal(g.ck[:, slot, :, :m], seq.ck[:, :, :m])
+    assert torch.equal(g.cv[:, slot, :, :m], seq.cv[:, :, :m])
+    assert st.refresh_n == 0 and st.refresh_pos is None and st.refresh_blocks is None
+    # against the same evidence read as if positions were indices, the selection differs
+    g2 = GraphSFI([SimpleNamespace(kv_cache=c) for c in caches], HQ, HKV, D, 0.25, torch.float32,
+                  torch.device("cpu"), slots=4, max_rows=8, max_k=32, rows=BatchRows())
+    g2.ring.copy_(g.ring)
+    g2.refresh_all([(SlotState(cfg, RefreshTrigger(), 10, slot, ring_pos=ring_pos, refresh_n=n,
+                               refresh_lo=qpos + 1 - 8, refresh_hi=qpos + 1), blocks)], BS)
+    assert not torch.equal(g2.cpos[:, slot, :, :m].long(), got)
+
+
+def test_compacted_fast_step_equals_eager_fast_step(setup):
+    """The fast step of a compacted request: the window by cache index, the compact entries cut
+    per KV head at the true position of its first window entry, as the eager runtime reads them."""
+    gen, caches, cfg, g = setup
+    n, first_tail, slot, layer = 150, 300, 2, 1
+    tpos = _compacted_positions(gen, n, first_tail, tail=10)
+    blocks = torch.randperm(NB, generator=gen)[:12].to(torch.int32)
+    paged = FlashPaged()
+    k, v = paged.read(caches[layer], blocks, 0, n)
+    # compact entries (copies) picked among all physical entries, by true position
+    pick = torch.stack([torch.sort(torch.randperm(n - 4, generator=gen)[:24] + 4).values for _ in range(HKV)])
+    pick = torch.cat([torch.arange(4).expand(HKV, 4), pick], -1)
+    g.cpos[layer, slot, :, :28] = torch.gather(tpos[layer], 1, pick).to(torch.int32)
+    g.ck[layer, slot, :, :28] = torch.gather(k, 1, pick.unsqueeze(-1).expand(-1, -1, D))
+    g.cv[layer, slot, :, :28] = torch.gather(v, 1, pick.unsqueeze(-1).expand(-1, -1, D))
+    seq = SeqState(cfg=cfg, trigger=RefreshTrigger(), prompt_len=10, ck=g.ck[:, slot, :, :28].clone(),
+                   cv=g.cv[:, slot, :, :28].clone(), cpos=g.cpos[:, slot, :, :28].long().clone())
+    ws = n - cfg.recent  # inside the kept entries: a different true position per head
+    wpos = tpos[:, :, ws:ws + 1]
+    assert len(set(wpos[layer].flatten().tolist())) > 1
+    q = torch.randn(3, HQ, D, generator=gen)
+    eager = SFIRuntime(L, HQ, HKV, D, 0.25, torch.float32, torch.device("cpu"))
+    plan = RowPlan(0, FAST, 1, 1, seq, n, ws, qpos=first_tail + 9, epos=tpos, wpos=wpos)
+    want = eager._fast(layer, seq, plan, q[1], caches[layer], blocks, paged)
+    kc, vc = caches[layer].transpose(1, 2).split(D, dim=-1)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    cws = wpos[layer].view(1, HKV).to(torch.int32)
+    out = sfi_paged_fast_reference(q, torch.zeros_like(q), g.ck[layer], g.cv[layer], g.cpos[layer], kc, vc,
+                                   blocks.view(1, -1), i32(1), i32(slot), i32(1), i32(ws), i32(n), 0.25, row_cws=cws)
+    assert torch.allclose(out[1], want, atol=1e-5)
+    plain = sfi_paged_fast_reference(q, torch.zeros_like(q), g.ck[layer], g.cv[layer], g.cpos[layer], kc, vc,
+                                     blocks.view(1, -1), i32(1), i32(slot), i32(1), i32(ws), i32(n), 0.25)
+    assert not torch.allclose(plain[1], want, atol=1e-4)  # the index cutoff would read other entries
+
+
+def test_step_plans_a_compacted_request_in_physical_terms(setup):
+    """The step plan of an evicting SFI request: length and window start physical, each head's
+    compact cutoff the true position of its window's first entry; a slow step keeps the block row
+    and the entries' true positions for the refresh that runs before the next compaction."""
+    from cotserve.policies.registry import build_policy
+    from cotserve.vllm.evict_runtime import EvictRuntime
+    from cotserve.vllm.requests import RowRequest
+
+    gen, caches, cfg, g = setup
+    rows = g.rows
+    ev = EvictRuntime(L, HQ, HKV, D, 0.25, torch.float32, torch.device("cpu"), slots=2, max_tokens=64)
+    pol = build_policy("skipkv+sfi", {"skipkv.budget": 100, "sfi.k": 24, "sfi.recent": 16, "sfi.sinks": 4,
+                                       "sfi.obs_window": 8})
+    req = RowRequest(prompt_ids=list(range(200)), output_ids=[5] * 60, sfi=cfg, evict=pol.parts[0])
+    rows.rows[0] = req
+    est = ev._admit(req)
+    est.pos = _compacted_positions(gen, 140, 220, tail=5)[..., :130]  # the last compaction kept 130 entries
+    est.tail_start, est.n_phys = 225, 141  # 11 entries since, this step's included
+    st = g._admit(req)
+    st.kv_len, st.steps = 260, 60
+    blocks = torch.randperm(NB, generator=gen)[:12].to(torch.int32)
+    cm = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, 1]), block_table_tensor=blocks.view(1, -1),
+                         seq_lens=torch.tensor([141], dtype=torch.int32))
+    st.trigger = SimpleNamespace(step=lambda steps, after: False)  # a fast step
+    g.step(cm, BS, evict=ev)
+    ws = 141 - cfg.recent
+    assert (int(g.row_mode[0]), int(g.row_len[0]), int(g.row_ws[0])) == (1, 141, ws)
+    assert torch.equal(g.row_cws[:, 0].long(), ev.positions(est, 141)[:, :, ws])
+    assert len(set(g.row_cws[:, 0].flatten().tolist())) > 1  # a cutoff per layer and head
+    assert st.ring_pos[260 % len(st.ring_pos)] == 260  # the ring keeps true positions
+    est.n_phys = 142
+    st.trigger = SimpleNamespace(step=lambda steps, after: True)  # a slow step
+    cm.seq_lens = torch.tensor([142], dtype=torch.int32)
+    g.step(cm, BS, evict=ev)
+    assert (int(g.row_mode[0]), int(g.row_len[0])) == (2, 142)
+    assert (st.refresh_n, st.refresh_hi, st.refresh_lo) == (142, 262, 262 - cfg.obs_window)
+    assert torch.equal(st.refresh_pos, ev.positions(est, 142))
+    assert torch.equal(st.refresh_blocks, blocks)

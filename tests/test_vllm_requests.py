@@ -1,6 +1,6 @@
 """Which policy combinations a vLLM request may ask for (`cotserve.vllm.requests.request_policy_of`),
-per platform: an eviction policy with SFI runs on the CPU backend; on CUDA, and for any policy the
-vLLM engine does not run, the request is refused with a clear error when it arrives."""
+per platform: an eviction policy with SFI runs on both backends; any policy the vLLM engine does
+not run is refused with a clear error when it arrives."""
 
 from __future__ import annotations
 
@@ -14,21 +14,17 @@ def _ask(policy: str, platform: str, **options):
     return request_policy_of({"cotserve": {"policy": policy, "options": options}}, platform=platform)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
 @pytest.mark.parametrize("evict", ["skipkv", "rkv", "streamingllm"])
-def test_eviction_with_sfi_runs_on_the_cpu_backend(evict):
+def test_eviction_with_sfi_runs_on_both_backends(evict, platform):
     opts = {f"{evict}.budget": 256, "sfi.k": 64, "sfi.recent": 64}
-    pol = _ask(f"{evict}+sfi", "cpu", **opts)
+    pol = _ask(f"{evict}+sfi", platform, **opts)
     assert pol.evict.name == evict and pol.evict.budget == 256
     assert pol.sfi.k == 64 and pol.sfi.recent == 64 and pol.sfi.dense_heads == 0
-    both = _ask(f"{evict}+sfi+steering", "cpu", **opts, **{"steering.alpha0": 2.0})
+    both = _ask(f"{evict}+sfi+steering", platform, **opts, **{"steering.alpha0": 2.0})
     assert both.evict.name == evict and both.sfi.k == 64 and both.steer.config.alpha0 == 2.0
-
-
-def test_eviction_with_sfi_is_refused_on_cuda():
-    with pytest.raises(PolicyError, match=r"skipkv\+sfi is not available on the vllm engine on CUDA"):
-        _ask("skipkv+sfi", "cuda", **{"skipkv.budget": 256, "sfi.k": 64})
-    assert _ask("skipkv", "cuda", budget=256).sfi is None  # each alone still runs there
-    assert _ask("sfi", "cuda", k=64).evict is None
+    assert _ask(evict, platform, budget=256).sfi is None  # each alone too
+    assert _ask("sfi", platform, k=64).evict is None
 
 
 def test_combinations_that_stay_refused():

@@ -93,6 +93,7 @@ class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
         steer = steer_for(self.vllm_config)
         if steer is not None:
             steer.plan(ROWS_, cm)
+        self.sfi.refresh_due(cm, self.block_size)  # on the cache as the last step left it: before compactions
         if self.evict is not None:
             from cotserve.vllm.models import HIDDEN
             from cotserve.vllm.requests import ROWS
@@ -101,7 +102,7 @@ class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
             cm = self.evict.plan(ROWS, cm, self.block_size, layer_caches(self.evict.layers), self.paged_rw,
                                  HIDDEN.buf)
         cm = copy.copy(cm)
-        cm.seq_lens = self.sfi.step(cm, self.block_size, self.head_size_of())
+        cm.seq_lens = self.sfi.step(cm, self.block_size, self.head_size_of(), evict=self.evict)
         return super().build(common_prefix_len, cm, fast_build)
 
     def head_size_of(self) -> int:
@@ -127,7 +128,7 @@ class CotserveFlashImpl(FlashAttentionImpl):
         kc, vc = split_kv(kv_cache, self.head_size)
         rows = min(t, rt.max_rows, attn_metadata.block_table.shape[0])
         sfi_paged_fast(q, o, rt.ck[li], rt.cv[li], rt.cpos[li], kc, vc, attn_metadata.block_table, rt.row_mode,
-                       rt.row_slot, rt.row_tok, rt.row_ws, rt.row_len, self.scale, rows=rows)
+                       rt.row_slot, rt.row_tok, rt.row_ws, rt.row_len, self.scale, rows=rows, row_cws=rt.row_cws[li])
         return out
 
 

@@ -55,15 +55,33 @@ class GraphSFI(PagedSFI):
                  2 * self.ck.numel() * self.ck.element_size() / 2**30)
 
     # -- per step, outside the graph -----------------------------------------------------------
-    def step(self, cm, block_size: int, head_size: int | None = None) -> torch.Tensor:
-        """Plan the step; returns FlashAttention's lengths (a view of a persistent buffer)."""
+    def refresh_due(self, cm, block_size: int) -> None:
+        """Finish the refreshes due from the previous step (evidence, selection, re-pack) on the
+        cache as that step left it: before the eviction runtime's `plan`, which may compact it."""
+        t0 = time.perf_counter()
+        due: list[tuple[SlotState, torch.Tensor]] = []
+        for i in range(min(cm.num_reqs, self.max_rows)):
+            req = self.rows.rows.get(i)
+            if req is not None and isinstance(req.state, SlotState) and req.state.refresh_n:
+                st = req.state
+                due.append((st, st.refresh_blocks if st.refresh_blocks is not None else cm.block_table_tensor[i]))
+        self.refresh_all(due, block_size)
+        self.refreshes += len(due)
+        dt = time.perf_counter() - t0
+        self.refresh_host_s += dt
+        self.host_s += dt
+
+    def step(self, cm, block_size: int, head_size: int | None = None, evict=None) -> torch.Tensor:
+        """Plan the step (after `refresh_due` and the eviction runtime's `plan`: `cm` in physical
+        terms for the requests that evict, `evict` that runtime); returns FlashAttention's lengths
+        (a view of a persistent buffer)."""
         t0 = time.perf_counter()
         try:
-            return self._step(cm, block_size)
+            return self._step(cm, block_size, evict)
         finally:
             self.host_s += time.perf_counter() - t0
 
-    def _step(self, cm, block_size: int) -> torch.Tensor:
+    def _step(self, cm, block_size: int, evict=None) -> torch.Tensor:
         for gone in self.rows.take_released():
             self._release(gone)
         n_reqs = cm.num_reqs
@@ -76,15 +94,7 @@ class GraphSFI(PagedSFI):
         nwrite = 0
         any_sfi = False
         qsl = cm.query_start_loc_cpu[: n_reqs + 1].tolist() if n_reqs else [0]
-        due: list[tuple[SlotState, torch.Tensor]] = []
-        for i in range(min(n_reqs, self.max_rows)):
-            req = self.rows.rows.get(i)
-            if req is not None and isinstance(req.state, SlotState) and req.state.refresh_n:
-                due.append((req.state, cm.block_table_tensor[i]))
-        t1 = time.perf_counter()
-        self.refresh_all(due, block_size)
-        self.refresh_host_s += time.perf_counter() - t1
-        self.refreshes += len(due)
+        cuts: list[tuple[int, torch.Tensor]] = []  # compacted rows: their per-(layer, head) cutoffs
         for i in range(min(n_reqs, self.max_rows)):
             req = self.rows.rows.get(i)
             if req is None or req.sfi is None:
@@ -98,8 +108,10 @@ class GraphSFI(PagedSFI):
             tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
             if ntok == 0:
                 continue
-            new_len = st.kv_len + ntok
+            est = req.evict_state if req.evict is not None and evict is not None else None
+            new_len = st.kv_len + ntok  # true length
             st.kv_len = new_len
+            phys = est.n_phys if est is not None else new_len  # entries in the cache
             w = len(st.ring_pos)
             if new_len <= st.prompt_len:  # prefill: record the prompt's last rows
                 m = min(w, ntok)
@@ -112,32 +124,40 @@ class GraphSFI(PagedSFI):
                         self.extra_writes.append(entry)
                     st.ring_pos[p % w] = p
                 if new_len == st.prompt_len:  # the bootstrap: the prompt's last prefill_window rows
-                    st.refresh_n, st.refresh_lo = new_len, new_len - st.cfg.prefill_window
+                    st.refresh_n, st.refresh_lo, st.refresh_hi = phys, new_len - st.cfg.prefill_window, new_len
+                    self._refresh_terms(st, est, evict, cm, i, phys)
                 continue
             seq_prev = req.output_ids[-2] if len(req.output_ids) >= 2 else (
                 req.prompt_ids[-1] if req.prompt_ids else -1)
             slow = st.trigger.step(st.steps, seq_prev in self.boundaries)
             st.steps += 1
             pos = new_len - 1
-            ws = max(0, new_len - st.cfg.recent)
+            ws = max(0, phys - st.cfg.recent)
+            if est is not None and est.pos is not None:
+                cuts.append((i, self._cutoff(est, ws, phys)))
             if nwrite < self.nw:
                 whost[:, nwrite] = torch.tensor((tok, st.slot, pos % w))
                 nwrite += 1
             else:
                 self.extra_writes.append((tok, st.slot, pos % w))
             st.ring_pos[pos % w] = pos
-            host[:, i] = torch.tensor((2 if slow else 1, st.slot, tok, ws, new_len), dtype=torch.int32)
+            host[:, i] = torch.tensor((2 if slow else 1, st.slot, tok, ws, phys), dtype=torch.int32)
             if slow:
                 st.slow_steps += 1
                 st.retained_sum += 1.0
-                st.refresh_n, st.refresh_lo = new_len, new_len - st.cfg.obs_window
+                st.refresh_n, st.refresh_lo, st.refresh_hi = phys, new_len - st.cfg.obs_window, new_len
+                self._refresh_terms(st, est, evict, cm, i, phys)
             else:  # an upper bound: compact entries the window covers are counted as read
-                read = min(st.k_eff + min(st.cfg.sinks, new_len), ws) + (new_len - ws)
-                st.retained_sum += min(1.0, read / new_len)
+                read = min(st.k_eff + min(st.cfg.sinks, phys), ws) + (phys - ws)
+                st.retained_sum += min(1.0, read / phys)
         self.any_sfi = any_sfi
         for t, src in zip((self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len), host,
                           strict=True):
             t.copy_(src, non_blocking=True)
+        if any_sfi:  # each head's compact cutoff: the window start, or a compacted row's true positions
+            self.row_cws.copy_(self.row_ws.view(1, -1, 1).expand_as(self.row_cws))
+            for i, cut in cuts:
+                self.row_cws[:, i] = cut
         self.w_tok.copy_(whost[0], non_blocking=True)
         self.w_slot.copy_(whost[1], non_blocking=True)
         self.w_idx.copy_(whost[2], non_blocking=True)
@@ -147,13 +167,24 @@ class GraphSFI(PagedSFI):
         torch.where(self.row_mode[:n] == 1, torch.ones_like(lens), lens, out=fa)
         return fa
 
+    def _refresh_terms(self, st: SlotState, est, evict, cm, row: int, phys: int) -> None:
+        """A refresh due for an evicting request reads the cache as this step leaves it: keep its
+        block row (physical) and, once it has compacted, its entries' true positions."""
+        if est is None:
+            return
+        st.refresh_blocks = cm.block_table_tensor[row].clone()
+        st.refresh_pos = evict.positions(est, phys) if est.pos is not None else None
+
+    def _cutoff(self, est, ws: int, phys: int) -> torch.Tensor:
+        """The true position [L, Hkv] of each head's window entry `ws` (physical) of a compacted
+        request: among the entries its last compaction kept, or in the tail that followed them."""
+        kept = est.pos.shape[-1]
+        if ws < kept:
+            return est.pos[:, :, ws].to(torch.int32)
+        return torch.full((self.L, self.hkv), est.tail_start + ws - kept, dtype=torch.int32, device=self.device)
+
     def _admit(self, req: RowRequest) -> SlotState | None:
         cfg: SFIConfig = req.sfi
-        if req.evict is not None:  # refused when it arrives on CUDA (`requests.request_policy_of`)
-            log.warning("sfi: combined with %s, SFI runs on the CPU backend only; this request decodes densely "
-                        "with its eviction", req.evict.name)
-            req.sfi = None
-            return None
         if cfg.k > self.max_k or ring_size(cfg) > W_MAX or cfg.sinks > self.C - self.max_k:
             log.warning("sfi: request options beyond the engine's buffers (k <= %d, prefill/obs_window <= %d); "
                         "it decodes densely", self.max_k, W_MAX)

