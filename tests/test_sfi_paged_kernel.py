@@ -114,6 +114,15 @@ def test_kernel_matches_reference_cuda_bf16():
                             tok.to(dev), ws.to(dev, torch.int32), lens.to(dev, torch.int32), 0.088)
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < 1e-2, err
+    cws = torch.randint(0, 3000, (rows, hkv), generator=gen).to(torch.int32)  # a compacted request's cutoffs
+    ref = sp.sfi_paged_fast_reference(q, torch.zeros_like(q), ck, cv, args[0], kc, vc, bt, mode, slot, tok,
+                                      ws.to(torch.int32), lens.to(torch.int32), 0.088, row_cws=cws)
+    for splits in (None, 1):
+        out = sp.sfi_paged_fast(q, torch.zeros_like(q), ck, cv, args[0], kc, vc, bt, mode.to(dev), slot.to(dev),
+                                tok.to(dev), ws.to(dev, torch.int32), lens.to(dev, torch.int32), 0.088,
+                                splits=splits, row_cws=cws.to(dev))
+        err = (out.float() - ref.float()).norm() / ref.float().norm()
+        assert err < 1e-2, err
 
 
 @pytest.mark.parametrize("n", [1, 37, 130])
