@@ -67,8 +67,10 @@ def test_request_policies_the_vllm_engine_accepts():
     assert request_policy_of(None).evict is None
     pol = request_policy_of({"cotserve": {"policy": "skipkv", "options": {"budget": 128}}})
     assert pol.evict.name == "skipkv" and pol.evict.budget == 128 and pol.sfi is None
-    with pytest.raises(PolicyError, match="h2o"):
-        request_policy_of({"cotserve": {"policy": "h2o"}})
+    h2o = request_policy_of({"cotserve": {"policy": "h2o", "options": {"budget": 64, "interval": 4}}})
+    assert h2o.evict.name == "h2o" and h2o.evict.budget == 64 and h2o.evict.keep_last == 32
+    with pytest.raises(PolicyError, match="snapkv"):
+        request_policy_of({"cotserve": {"policy": "snapkv"}})
     with pytest.raises(PolicyError, match="window=32"):
         request_policy_of({"cotserve": {"policy": "rkv", "options": {"window": 32}}})
     both = request_policy_of({"cotserve": {"policy": "skipkv+steering", "options": {"alpha0": 2.0}}})

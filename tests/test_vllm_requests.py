@@ -1,6 +1,7 @@
 """Which policy combinations a vLLM request may ask for (`cotserve.vllm.requests.request_policy_of`),
 per platform: an eviction policy with SFI runs on both backends; any policy the vLLM engine does
-not run is refused with a clear error when it arrives."""
+not run is refused with a clear error when it arrives; h2o runs alone (with steering) on both,
+within its score buffers' length."""
 
 from __future__ import annotations
 
@@ -27,9 +28,29 @@ def test_eviction_with_sfi_runs_on_both_backends(evict, platform):
     assert _ask("sfi", platform, k=64).evict is None
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_h2o_runs_alone_and_with_steering(platform):
+    pol = _ask("h2o", platform, budget=256, interval=16, group_reduce="max")
+    assert pol.evict.name == "h2o" and pol.evict.budget == 256 and pol.evict.config.group_reduce == "max"
+    both = _ask("h2o+steering", platform, **{"h2o.budget": 128, "steering.alpha0": 2.0})
+    assert both.evict.name == "h2o" and both.steer.config.alpha0 == 2.0 and both.sfi is None
+
+
+def test_h2o_within_the_score_buffers(monkeypatch):
+    assert _ask("h2o", "cuda", budget=1024).evict.config.interval == 1  # the defaults fit the default 2048
+    with pytest.raises(PolicyError, match=r"h2o budget \+ interval \(2064\) exceeds the vllm engine's 2048"):
+        _ask("h2o", "cuda", budget=2048, interval=16)
+    monkeypatch.setenv("COTSERVE_VLLM_H2O_MAX_LEN", "4096")
+    assert _ask("h2o", "cuda", budget=2048, interval=16).evict.budget == 2048
+    monkeypatch.setenv("COTSERVE_VLLM_H2O_MAX_LEN", "0")
+    with pytest.raises(PolicyError, match="h2o is off"):
+        _ask("h2o", "cpu", budget=64)
+
+
 def test_combinations_that_stay_refused():
-    with pytest.raises(PolicyError, match="'h2o' is not available on the vllm engine"):
-        _ask("h2o+sfi", "cpu")
+    for platform in ("cpu", "cuda"):  # the native engine refuses h2o+sfi too
+        with pytest.raises(PolicyError, match=r"h2o\+sfi is not available on the vllm engine"):
+            _ask("h2o+sfi", platform, **{"sfi.dense_heads": 0})
     with pytest.raises(PolicyError, match="'snapkv' is not available on the vllm engine"):
         _ask("snapkv+sfi", "cpu")
     with pytest.raises(PolicyError, match="dense_heads"):  # the unstable-head fallback is native-only

@@ -6,7 +6,9 @@ Plain torch, written for clarity first; each piece has a reference test in tests
   validity mask that may differ per KV head (H2O accumulates the probabilities; Quest reads a
   per-head subset).
 * `causal_prefill_with_colsums`: causal prompt attention computed in query chunks that also returns
-  the attention each key received (column sums over the real query rows), for H2O's accumulated score.
+  the attention each key received (column sums over the real query rows), for H2O's accumulated score;
+  `chunk_colsums`: the same column sums from one chunk of the last query rows (a prefill that arrives
+  in chunks, as vLLM's does).
 * `refuse_overriding_parts`: a policy that must compute attention itself refuses a stack in which an
   earlier part (the stack asks read before evict) would answer that hook instead.
 """
@@ -72,16 +74,35 @@ def causal_prefill_with_colsums(
     rows_all = torch.arange(t, device=q.device)
     for r0 in range(0, t, chunk):
         r1 = min(t, r0 + chunk)
-        qc = q[:, :, r0:r1].reshape(b, hkv, g, r1 - r0, d)
-        kc, vc = k[:, :, :r1], v[:, :, :r1]  # keys beyond r1 are masked for every row of the chunk
-        scores = torch.matmul(qc, kc.unsqueeze(2).transpose(-1, -2)) * scaling  # [B, Hkv, G, c, r1]
-        causal = rows_all[r0:r1].unsqueeze(1) >= rows_all[:r1].unsqueeze(0)  # [c, r1]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1)
+        vc = v[:, :, :r1]  # keys beyond r1 are masked for every row of the chunk
+        probs = causal_chunk_probs(q[:, :, r0:r1], k[:, :, :r1], scaling)  # [B, Hkv, G, c, r1]
         out[:, :, r0:r1] = torch.matmul(probs.to(v.dtype), vc.unsqueeze(2)).reshape(b, hq, r1 - r0, d)
         real_rows = (rows_all[r0:r1].unsqueeze(0) < lengths.view(-1, 1)).float()  # [B, c]
         colsum[..., :r1] += torch.einsum("bhgcs,bc->bhgs", probs, real_rows)
     return out, colsum.view(b, hq, t)
+
+
+def causal_chunk_probs(qc: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention probabilities of a chunk of the last query rows: qc [B, Hq, c, D] are the
+    queries at positions n - c .. n - 1, k [B, Hkv, n, D] the keys at 0 .. n - 1. Returns
+    [B, Hkv, G, c, n] float32 (row i sees keys 0 .. n - c + i)."""
+    b, hq, c, d = qc.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qg = qc.reshape(b, hkv, hq // hkv, c, d)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scaling  # [B, Hkv, G, c, n]
+    rows = torch.arange(n - c, n, device=qc.device)
+    causal = rows.unsqueeze(1) >= torch.arange(n, device=qc.device).unsqueeze(0)  # [c, n]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1)
+
+
+def chunk_colsums(qc: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The attention mass each key gets from a chunk of the last query rows (`causal_chunk_probs`):
+    [B, Hq, n] float32. Over the chunks of a prompt (each over the keys so far) these add up to
+    `causal_prefill_with_colsums`' column sums: a chunked prefill (vLLM's) scores as the native one."""
+    probs = causal_chunk_probs(qc, k, scaling)
+    b, hkv, g, _, n = probs.shape
+    return probs.sum(3).reshape(b, hkv * g, n)
 
 
 def reduce_group(x: torch.Tensor, hkv: int, how: str) -> torch.Tensor:

@@ -5,7 +5,9 @@ Registered over `CPU_ATTN` by `cotserve.vllm.register()` (vLLM's CPU platform ig
 an SFI request's decode rows, vLLM's kernel is given a length of one entry (it reads nothing of
 the history) and the row is computed by `SFIRuntime` from the paged cache: fast steps from the
 compact buffers plus the recent window, slow steps densely with the selector's evidence.
-Prefill is vLLM's; its last chunk bootstraps the selection.
+Prefill is vLLM's; its last chunk bootstraps the selection. For an h2o request's rows, each layer
+adds the step's attention probabilities, computed in torch from the paged cache, to its scores
+(`h2o_scores`).
 
 Per step, in the metadata builder: the pending selections of SFI requests that also evict (on the
 cache their refresh step saw), then the eviction runtime's `plan` (compactions, the metadata in
@@ -72,7 +74,9 @@ class CotserveCPUImpl(CPUAttentionBackendImpl):
         ev = runtime_access.evict_current()
         if ev is not None and ev.active:
             n = attn_metadata.num_actual_tokens
-            ev.record(runtime_access.Access.layer_index(layer), query[:n].view(n, self.num_heads, self.head_size))
+            li, q = runtime_access.Access.layer_index(layer), query[:n].view(n, self.num_heads, self.head_size)
+            ev.record(li, q)
+            ev.accumulate(li, q, kv_cache, attn_metadata.block_table)  # h2o's scores, from the paged cache
         rt = runtime_access.current()
         if rt is None or rt.runtime.plan_now is None or not rt.runtime.plan_now.sfi_rows:
             return out

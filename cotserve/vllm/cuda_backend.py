@@ -122,11 +122,13 @@ class CotserveFlashImpl(FlashAttentionImpl):
         q = query.view(t, self.num_heads, self.head_size)
         o = output.view(output.shape[0], self.num_heads, self.head_size)
         rt.write_ring(li, q)
+        kc, vc = split_kv(kv_cache, self.head_size)
+        rows = min(t, rt.max_rows, attn_metadata.block_table.shape[0])
         ev = evict_current()
         if ev is not None:
             ev.record(li, q)
-        kc, vc = split_kv(kv_cache, self.head_size)
-        rows = min(t, rt.max_rows, attn_metadata.block_table.shape[0])
+            ev.accumulate(li, q, kv_cache, attn_metadata.block_table, key_cache=kc,  # h2o: `kernels.h2o_paged`
+                          rows=min(t, ev.max_rows, attn_metadata.block_table.shape[0]))
         sfi_paged_fast(q, o, rt.ck[li], rt.cv[li], rt.cpos[li], kc, vc, attn_metadata.block_table, rt.row_mode,
                        rt.row_slot, rt.row_tok, rt.row_ws, rt.row_len, self.scale, rows=rows, row_cws=rt.row_cws[li])
         return out

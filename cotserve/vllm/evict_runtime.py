@@ -3,7 +3,9 @@
 The scoring is the native policies' (`cotserve.policies`): R-KV's token score (`rkv.rkv_scores`:
 importance from the last `window` queries, key redundancy), SkipKV's sentence penalty
 (`skipkv.SentenceTrack`, fed with the last layer's final-norm hidden states), and the selection
-rule of every eviction policy (`scoring.protected_top`); streamingllm keeps sinks plus recent. The
+rule of every eviction policy (`scoring.protected_top`); streamingllm keeps sinks plus recent; h2o
+ranks by the accumulated attention kept in `h2o_scores.H2OScores` (each layer adds the step's
+attention of h2o rows, `accumulate`; the kept entries' scores move with them). The
 schedule (when a request compacts, which of its blocks are freed) is `EvictionLedger`'s, which the
 scheduler (`scheduler.EvictingScheduler`) applies to vLLM's block pool in the same step.
 
@@ -33,7 +35,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,7 +44,8 @@ from cotserve.policies.rkv import rkv_scores
 from cotserve.policies.scoring import protected_top
 from cotserve.policies.skipkv import SentenceTrack
 from cotserve.vllm.eviction_ledger import EvictionLedger, cdiv
-from cotserve.vllm.requests import MAX_EVICT_WINDOW, BatchRows, RowRequest
+from cotserve.vllm.h2o_scores import H2OScores
+from cotserve.vllm.requests import MAX_EVICT_WINDOW, BatchRows, RowRequest, h2o_max_len
 from cotserve.vllm.telemetry import write_telemetry
 
 log = logging.getLogger(__name__)
@@ -93,6 +96,7 @@ class EvictState:
     track: SentenceTrack | None = None
     hidden_rows: tuple[int, int, int] | None = None  # (token index, count, first position) of the last step
     ring_pos: list[int] = field(default_factory=list)  # position held at each ring index, -1 none
+    h2o: Any = None  # h2o's scores outside the shared buffers (`h2o_scores.H2OState`)
 
 
 def _token_ids(req: RowRequest, first: int, n: int) -> list[int]:
@@ -106,7 +110,8 @@ def _token_ids(req: RowRequest, first: int, n: int) -> list[int]:
 class EvictRuntime:
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
                  dtype: torch.dtype, device: torch.device, slots: int, max_tokens: int, window: int = MAX_EVICT_WINDOW,
-                 tokenizer=None, on_device_tables: bool = False, block_size: int | None = None):
+                 tokenizer=None, on_device_tables: bool = False, block_size: int | None = None,
+                 max_rows: int | None = None):
         self.L, self.hq, self.hkv, self.d = num_layers, num_heads, num_kv_heads, head_dim
         self.scaling = scaling
         self.device = device
@@ -137,6 +142,17 @@ class EvictRuntime:
         self.compact_s = 0.0  # compactions, to their end on the device
         self.compact_events = 0
         self.compacted = 0
+        # h2o's accumulated scores: on CUDA made now (the decode kernel's buffers are in the graphs),
+        # on the CPU at the first h2o request
+        self.max_rows = max_rows or slots
+        self.h2o: H2OScores | None = self._make_h2o() if on_device_tables else None
+        self._paged: PagedRW | None = None
+
+    def _make_h2o(self) -> H2OScores | None:
+        n = h2o_max_len()
+        if n <= 0:
+            return None
+        return H2OScores(self.L, self.hq, self.hkv, self.scaling, self.device, self.slots, self.max_rows, n)
 
     # -- per step (metadata builder) -------------------------------------------------------------
     def plan(self, rows: BatchRows, cm, block_size: int, kv_caches: list[torch.Tensor], paged: PagedRW,
@@ -156,9 +172,12 @@ class EvictRuntime:
         # the last forward's hidden states, for the requests in it (those leaving the batch too)
         self._feed_hidden([r for _, r in reqs] + leaving, hidden)
         self._release(rows)
+        self._paged = paged
         if not reqs:
             if self.active:  # point last step's ring writes at the scratch slot
                 self._fill_writes([], [], [])
+                if self.h2o is not None:
+                    self.h2o.plan_step([])
             self.active = False
             return cm
         self.active = True
@@ -209,12 +228,15 @@ class EvictRuntime:
             self.compact_events += 1
         rewrite: list[tuple] = []  # (row, live, tok, ntok, phys_before, state)
         w_tok, w_slot, w_idx = [], [], []
+        h2o_rows: list[tuple] = []
         for i, _req, st, tok, ntok in rows_now:
             led = st.ledger
             before = lens[i] - ntok
             phys_before = before - led.evicted
             st.n_phys = phys_before + ntok
             st.hidden_rows = (tok, ntok, before)
+            if st.h2o is not None:
+                h2o_rows.append((i, tok, ntok, before, phys_before, st.h2o, st.slot))
             if led.evicted:
                 new_lens[i] = st.n_phys
                 rewrite.append((i, led.live_blocks(cdiv(lens[i], block_size)), tok, ntok, phys_before, st))
@@ -226,6 +248,8 @@ class EvictRuntime:
                 w_idx.append(p % self.w)
                 st.ring_pos[p % self.w] = p
         self._fill_writes(w_tok, w_slot, w_idx)
+        if self.h2o is not None:
+            self.h2o.plan_step(h2o_rows)
         if rewrite:
             cm = self._rewrite(cm, rewrite, new_lens, block_size)
         return cm
@@ -235,6 +259,12 @@ class EvictRuntime:
         st = EvictState(EvictionLedger(pol, req.prefill_len), self._slot(), ring_pos=[-1] * self.w)
         if pol.name == "skipkv":
             st.track = SentenceTrack(self.delims, pol.config.sentence_threshold)
+        if pol.name == "h2o":
+            if self.h2o is None:
+                self.h2o = self._make_h2o()
+            if self.h2o is None:
+                raise RuntimeError("h2o: its score buffers are left out ($COTSERVE_VLLM_H2O_MAX_LEN=0)")
+            st.h2o = self.h2o.admit(st.slot, pol.config.group_reduce, req.prefill_len)
         req.evict_state = st
         self.owner[st.slot] = req
         self._live_keys.pop(st.slot, None)
@@ -348,12 +378,16 @@ class EvictRuntime:
 
     def _park(self, st: EvictState) -> None:
         """The open-sentence sum of a state's slot into its track (the slot is about to change hands
-        or its track to feed on its own)."""
+        or its track to feed on its own); h2o's scores aside."""
+        if st.h2o is not None:
+            self.h2o.park(st.h2o, st.slot, st.n_phys)
         if st.track is not None and self.osum is not None:
             st.track.open_sum = self.osum[st.slot].clone() if st.track.open_n else None
 
     def _unpark(self, st: EvictState) -> None:
-        """The track's open-sentence sum back into the state's (new) slot."""
+        """The track's open-sentence sum back into the state's (new) slot; h2o's scores likewise."""
+        if st.h2o is not None:
+            self.h2o.unpark(st.h2o, st.slot)
         if st.track is not None and self.osum is not None:
             if st.track.open_sum is None:
                 self.osum[st.slot].zero_()
@@ -388,7 +422,9 @@ class EvictRuntime:
         keys, vals = zip(*(paged.read_many(kv, blocks, n) for kv in kv_caches), strict=True)  # L x [R, Hkv, n, D]
         keep = torch.empty(r, self.L, self.hkv, budget, dtype=torch.long, device=self.device)
         choose = budget - first - min(last, budget - first) > 0
-        if choose:
+        if choose and pol.name == "h2o":  # accumulated attention (`h2o_scores`)
+            scores = torch.stack([self.h2o.candidates(st.h2o, st.slot, n, last) for _, st, _ in items])
+        elif choose:
             k_all = torch.stack(keys, dim=1)  # [R, L, Hkv, n, D]
             scores = self._scores(items, k_all, pos, n)  # [R, L, Hkv, candidates]
         heads = r * self.L * self.hkv
@@ -403,6 +439,9 @@ class EvictRuntime:
             paged.write_front_many(kv, blocks, torch.gather(keys[layer], 2, gi[:, layer]),
                                    torch.gather(vals[layer], 2, gi[:, layer]))
         kept_pos = torch.gather(pos, 3, keep)
+        for j, (_, st, _) in enumerate(items):
+            if st.h2o is not None:  # the kept entries' scores move with them (the native `followers`)
+                self.h2o.compacted(st.h2o, st.slot, n, keep[j])
         trace = os.environ.get("COTSERVE_VLLM_EVICT_TRACE")
         for j, (_req, st, _) in enumerate(items):
             st.pos = kept_pos[j]
@@ -537,6 +576,14 @@ class EvictRuntime:
         return out
 
     # -- per layer (attention forward) -----------------------------------------------------------
+    def accumulate(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   key_cache: torch.Tensor | None = None, rows: int | None = None) -> None:
+        """h2o's scores: add this layer's attention of the step's h2o rows (`H2OScores.layer`; with
+        `key_cache`, CUDA's kernel over the persistent row tensors, launched every step)."""
+        h = self.h2o
+        if h is not None and (key_cache is not None or h.chunks or h.decode):
+            h.layer(layer, q, kv_cache, block_table, self._paged, key_cache, rows)
+
     def record(self, layer: int, q: torch.Tensor) -> None:
         """Copy this step's query rows of evicting requests into their rings (q [tokens, Hq, D])."""
         self.ring[layer].index_put_((self.w_slot, self.w_idx), q[self.w_tok.clamp(max=q.shape[0] - 1)])

@@ -11,17 +11,32 @@ backends read it. One `BatchRows` per worker process (`ROWS`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.errors import PolicyError
 
 # Policies the vLLM engine runs per request; anything else is refused when the request arrives.
-VLLM_POLICIES = ("dense", "sfi", "rkv", "skipkv", "streamingllm", "steering")
+VLLM_POLICIES = ("dense", "sfi", "rkv", "skipkv", "streamingllm", "h2o", "steering")
 # The eviction policies among them (physical eviction into vLLM's block pool, `evict_runtime`).
-VLLM_EVICTION = ("rkv", "skipkv", "streamingllm")
+VLLM_EVICTION = ("rkv", "skipkv", "streamingllm", "h2o")
 # The most observation queries (`window`) an eviction request may ask for on vLLM (its ring size).
 MAX_EVICT_WINDOW = 16
+
+
+def h2o_max_len() -> int:
+    """Entries per layer and KV head that h2o's score buffers hold for a request while it decodes
+    (`h2o_scores`): `$COTSERVE_VLLM_H2O_MAX_LEN`, default 2048; 0 leaves h2o out."""
+    return int(os.environ.get("COTSERVE_VLLM_H2O_MAX_LEN", 2048))
+
+
+def _check_h2o(part) -> None:
+    limit = h2o_max_len()
+    need = part.config.budget + part.config.interval
+    if need > limit:
+        raise PolicyError(f"h2o budget + interval ({need}) exceeds the vllm engine's {limit} entries "
+                          "($COTSERVE_VLLM_H2O_MAX_LEN; 0: h2o is off)")
 
 
 @dataclass
@@ -116,6 +131,9 @@ def request_policy_of(extra_args: dict[str, Any] | None, platform: str | None = 
     if unknown:
         raise PolicyError(f"policy {'+'.join(unknown)!r} is not available on the vllm engine "
                           f"(it runs: {', '.join(VLLM_POLICIES)}); use --engine native for it")
+    if "h2o" in names and "sfi" in names:
+        raise PolicyError("h2o+sfi is not available on the vllm engine: h2o scores the attention SFI replaces "
+                          "(the native engine refuses the stack too)")
     stack = build_policy(policy, options)
     out = RequestPolicy()
     for part in stack.parts:
@@ -135,4 +153,6 @@ def request_policy_of(extra_args: dict[str, Any] | None, platform: str | None = 
                                   "shipped for the model, or $COTSERVE_VLLM_STEERING_VECTOR); a request sets alpha0, "
                                   "gamma, enabled and thought_rules")
             out.steer = part
+    if out.evict is not None and out.evict.name == "h2o":
+        _check_h2o(out.evict)
     return out

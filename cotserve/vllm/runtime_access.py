@@ -115,7 +115,8 @@ def evict_for(vllm_config, device: torch.device, force: bool = False, slots: int
     _EVICT = EvictRuntime(len(layers), first.num_heads, first.num_kv_heads, first.head_size, first.scale, mc.dtype,
                           device, slots=slots or sc.max_num_seqs, max_tokens=sc.max_num_batched_tokens,
                           tokenizer=model_tokenizer(mc, "SkipKV's sentences"), on_device_tables=device.type == "cuda",
-                          block_size=vllm_config.cache_config.block_size)
+                          block_size=vllm_config.cache_config.block_size,
+                          max_rows=max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0))
     _EVICT.layers = layers
     log.info("eviction: runtime ready (%d layers, %d slots)", len(layers), _EVICT.slots)
     if "EvictingScheduler" not in str(sc.scheduler_cls):

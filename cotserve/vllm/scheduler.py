@@ -3,7 +3,7 @@
 Selected with vLLM's `scheduler_cls` (`cotserve serve --engine vllm` sets it;
 `--scheduler-cls cotserve.vllm.scheduler.EvictingScheduler` for a vLLM server of your own).
 After each `schedule()`, for every scheduled request that asked for an eviction policy
-(`rkv`, `skipkv`, `streamingllm`), it asks the request's `EvictionLedger` whether a compaction is
+(`rkv`, `skipkv`, `streamingllm`, `h2o`), it asks the request's `EvictionLedger` whether a compaction is
 due before this step; if so, the blocks that the compacted request no longer needs become null
 entries of its block list and go back to vLLM's block pool: the next `schedule()` can admit more
 requests with them. The worker compacts the request's entries in the same step, before the
