@@ -16,6 +16,11 @@ attention over the whole history for that slot, whose logits for the last `obs_w
 queries (kept in a small ring buffer per layer; the paper's W = 1: the current query) feed the selector's evidence step; after the last
 layer, the rest of the selector runs for all layers of the slot at once (the same problem per
 layer, batched), then the compact buffers are re-packed. The bootstrap takes the same path.
+Under the C++ kernel with one observation row and no fallback heads (the paper's defaults) the
+slow slots' dense attention and evidence come from the fast step's own kernel call
+(`cpu_decode.two_source_decode_evidence`), the selector runs in C++ (`cpu_decode.selector_select`)
+and the re-pack is incremental (`cpu_decode.pack_compact_update`); the torch forms are their
+references.
 
 Telemetry per response: `sfi_slow_step_ratio` (slow steps / decode steps) and
 `sfi_retained_ratio` (entries read / entries in context, averaged over layers, KV heads and
