@@ -44,7 +44,9 @@ def _build() -> ModuleType | None:
 
         cache = Path(os.environ.get("COTSERVE_CACHE_DIR", Path.home() / ".cache" / "cotserve"))
         source = Path(__file__).with_suffix(".cpp")
-        flags = ["-O3", "-fopenmp"]
+        # -fno-trapping-math: lets the compiler if-convert (so vectorize) the exp and log polynomials;
+        # it assumes no floating-point traps and changes no result
+        flags = ["-O3", "-fopenmp", "-fno-trapping-math"]
         if platform.machine() in ("x86_64", "AMD64"):
             flags += ["-march=native", "-mprefer-vector-width=512"]
         # one folder per source text and source path: checkouts of different code (or the same
@@ -148,3 +150,87 @@ def page_bound_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: 
         raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
     return mod.page_bound_decode(q, k, v, slots, heads, lens, bounds, int(budget), int(page), int(sinks),
                                  float(scaling))
+
+
+def _selector_args(cfg) -> tuple:
+    """The SFI options `selector_scores` / `selector_select` take, in their order (after now, k)."""
+    return (int(cfg.sinks), float(cfg.decay), int(cfg.tail_len), float(cfg.brake), float(cfg.norm_power),
+            float(cfg.lam), float(cfg.lam_clip), int(cfg.nms_window), float(cfg.nms_strength),
+            float(cfg.excl_strength), float(cfg.excl_temperature))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself where its rows are contiguous (views of the cache's [.., capacity] rows are), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def selector_supported(cfg) -> bool:
+    """Whether the C++ selector serves these SFI options: the paper's geometric fusion, soft-NMS
+    half-windows up to 64 (the linear fusion option takes the torch form)."""
+    return cfg.fusion == "geometric" and 0 <= cfg.nms_window <= 64 and available()
+
+
+def selector_scores(cfg, f: torch.Tensor, positions: torch.Tensor, key_norms: torch.Tensor, now: int) -> torch.Tensor:
+    """SFI's selector steps 2-4 in C++ (`policies.sfi.selection.selector_scores_from_evidence`, its
+    reference): prior, geometric fusion, soft-NMS, cross-head exclusivity on the evidence
+    f [P, H, n] of P independent problems (float32), true positions [P, H, n] (int64) and key
+    norms [P, H, n] (any outer strides: views of the cache). Returns the final log scores [P, H, n] float32 (-inf
+    outside the candidates), equal to the torch form's up to float rounding. One pass per step
+    over each row while it sits in cache, layers in parallel."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    return mod.selector_scores(_rows(f.float()), _rows(positions), _rows(key_norms.float()), int(now),
+                               *_selector_args(cfg))
+
+
+def selector_select(cfg, f: torch.Tensor, positions: torch.Tensor, key_norms: torch.Tensor, now: int,
+                    k: int) -> torch.Tensor:
+    """`selector_scores`, then the top k of each (problem, KV head) row: int64 [P, H, k] ascending
+    (of equal scores the lower index; `selector.topk_per_head` on the same scores picks the same
+    set up to exact ties)."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    return mod.selector_select(_rows(f.float()), _rows(positions), _rows(key_norms.float()), int(now), int(k),
+                               *_selector_args(cfg))
+
+
+def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top k per row of scores [..., n] (float32), indices ascending (of equal scores the lower
+    index): the last step of `selector_select` alone."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    return mod.topk_ascending(scores.float().contiguous(), int(k))
+
+
+def two_source_decode_evidence(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, cmask: torch.Tensor,
+                               wk: torch.Tensor, wv: torch.Tensor, wstart: torch.Tensor, wend: torch.Tensor,
+                               scaling: float, slow: torch.Tensor, f: torch.Tensor, sinks: int,
+                               alpha: float) -> torch.Tensor:
+    """`two_source_decode` with SFI's slow step fused in: the slots with slow[b] (bool [B]) read
+    no compact entries and rows 0 .. wend[b] - 1 of wk / wv (dense attention, the same arithmetic
+    as the dense policy's kernel step), and write, from the same logits, the selector's evidence
+    into f[b, h, :wend[b]] (f float32 [B, Hkv, S], rows contiguous): per KV head, the softmax over
+    the entries from `sinks` on of each query row of its group, combined by the power mean
+    M_alpha (alpha > 0), normalized (`selector.evidence_and_instability` on the current query,
+    obs_window = 1, its reference). Returns [B, Hkv, G, D] float32."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    return mod.two_source_decode_evidence(q, ck, cv, cmask, wk, wv, wstart, wend, float(scaling), slow, f,
+                                          int(sinks), float(alpha))
+
+
+def pack_compact_update(k: torch.Tensor, v: torch.Tensor, slot: int, keys: torch.Tensor, layers: torch.Tensor,
+                        ckt: torch.Tensor, cv: torch.Tensor, cidx: torch.Tensor) -> None:
+    """`pack_compact`, incremental, in place: cidx [L, B, H, C] (int64) names the cache row each
+    compact entry holds (-1: none). Rows of `keys[i, h]` already held stay where they are; only
+    the new ones are read and converted, into the entries of the rows no longer chosen; cidx is
+    updated (-1 where an entry now holds nothing chosen: the caller masks it). The buffers then
+    hold the same rows as after `pack_compact`, in another order."""
+    mod = _build()
+    if mod is None:
+        raise RuntimeError("the CPU decode kernel is not available (see the warning logged at build)")
+    mod.pack_compact_update(k, v, int(slot), keys, layers, ckt, cv, cidx)

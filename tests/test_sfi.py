@@ -443,3 +443,144 @@ def test_pack_kernel_equals_the_torch_gather(dtype):
     assert torch.equal(ckt, want_k) and torch.equal(cv, want_v)
     with pytest.raises(RuntimeError, match="rows outside the cache"):
         cpu_decode.pack_compact(k, v, slot, keys + S, torch.tensor(layers), ckt, cv)
+
+
+@pytest.mark.parametrize(("grp", "d", "alpha"), [(3, 64, 0.5), (4, 128, 1.0), (5, 24, 0.3)])
+def test_fused_slow_step_equals_slow_attention_and_evidence(grp, d, alpha):
+    """`cpu_decode.two_source_decode_evidence`, SFI's slow step fused into the kernel call: its
+    slow slots get dense attention (the torch `slow_attention` to float rounding, and the very
+    arithmetic of the dense policy's kernel step, bit for bit) and the evidence of the current
+    query (`selector.evidence_and_instability` on the sink-masked logits, to float rounding);
+    the other slots get exactly `two_source_decode`'s fast step, their evidence rows untouched."""
+    from cotserve.kernels import cpu_decode
+    from cotserve.policies import selector as sel
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(grp + d)
+    b, hkv, s, c, sinks = 3, 2, 90, 32, 4
+    q = torch.randn(b, hkv, grp, d, generator=g)
+    kc = torch.randn(b, hkv, s, d, generator=g)
+    vc = torch.randn(b, hkv, s, d, generator=g)
+    lens = torch.tensor([90, 70, 61])
+    wstart = torch.tensor([70, 58, 40])
+    ck = _kernel_layout(torch.randn(b, hkv, c, d, generator=g).to(torch.bfloat16))
+    cv = torch.randn(b, hkv, c, d, generator=g).to(torch.bfloat16)
+    cmask = torch.rand(b, hkv, c, generator=g) > 0.3
+    slow = torch.tensor([True, False, True])
+    f = torch.full((b, hkv, s), 7.0)
+    out = cpu_decode.two_source_decode_evidence(q, ck, cv, cmask, kc, vc, wstart, lens, 0.3, slow, f, sinks, alpha)
+    fast = cpu_decode.two_source_decode(q, ck, cv, cmask, kc, vc, wstart, lens, 0.3)
+    assert torch.equal(out[1], fast[1])
+    assert torch.equal(f[1], torch.full((hkv, s), 7.0))
+    no_compact = (ck[:, :, :0], cv[:, :, :0], cmask[:, :, :0])
+    dense = cpu_decode.two_source_decode(q, *no_compact, kc, vc, torch.zeros(b, dtype=torch.long), lens, 0.3)
+    for bi in (0, 2):
+        n = int(lens[bi])
+        assert torch.equal(out[bi], dense[bi])
+        o, logits = slow_attention(q[bi].reshape(hkv * grp, 1, d), 0, kc[bi, :, :n], vc[bi, :, :n], 0.3)
+        assert torch.allclose(out[bi], o.view(hkv, grp, d), atol=1e-5)
+        logits[..., :sinks] = float("-inf")
+        want, _ = sel.evidence_and_instability(logits, alpha, 8, 4, 0, False)
+        assert torch.allclose(f[bi, :, :n], want, rtol=1e-4, atol=1e-7), (f[bi, :, :n] - want).abs().max()
+        assert torch.equal(f[bi, :, :sinks], torch.zeros(hkv, sinks))
+        assert torch.allclose(f[bi, :, :n].sum(-1), torch.ones(hkv))
+        assert torch.equal(f[bi, :, n:], torch.full((hkv, s - n), 7.0))
+
+
+def test_fused_slow_step_runs_for_the_paper_defaults_and_selects_as_the_torch_path():
+    """With the kernel the paper's defaults (one observation row, no fallback heads) take the
+    fused slow step; the entries it packs after a refresh are the unfused torch path's (the same
+    selection up to float rounding: compared here on a prompt where no score is that close)."""
+    from cotserve.engine.batch import BatchState, ModelInfo
+    from cotserve.engine.cache import CacheShape, KVCache
+    from cotserve.kernels import cpu_decode
+    from cotserve.policies.base import PolicyStack
+    from cotserve.policies.sfi.policy import SFIPolicy
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(11)
+    L, B, H, HQ, D, N, CAP = 2, 2, 2, 6, 16, 300, 320  # noqa: N806
+    cache = KVCache(CacheShape(layers=L, slots=B, kv_heads=H, capacity=CAP, head_dim=D), torch.float32,
+                    torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    cache.pos[...] = torch.arange(CAP)
+    cache.lens[...] = N + 1
+    info = ModelInfo(num_layers=L, num_heads=HQ, num_kv_heads=H, head_dim=D, hidden_size=HQ * D, max_positions=CAP)
+    q = torch.randn(L, B, HQ, 1, D, generator=g)
+    cpos = {}
+    for kernel in ("auto", "torch"):
+        pol = SFIPolicy(SFIConfig(k=40, recent=16, kernel=kernel))
+        batch = BatchState(info=info, cache=cache, policy=PolicyStack([pol]), scaling=D ** -0.5,
+                           prompt_lens=torch.full((B,), N), tokens=[[0] * (N + 1) for _ in range(B)], mode="decode",
+                           step=1, positions=torch.full((B,), N))
+        pol.begin(batch)
+        assert pol.fused_slow == (kernel == "auto")
+        for trig, slow in zip(pol.triggers, (True, False), strict=True):
+            trig.step = lambda t, after, s=slow: s
+        outs = [pol.decode_attention(layer, q[layer], batch) for layer in range(L)]
+        cpos[kernel] = (pol.cpos[:, 0].clone(), outs)
+    m = 4 + 40  # sinks + k entries (the kernel's buffers are padded to 16 entries: -1 after)
+    assert torch.equal(cpos["auto"][0][..., :m], cpos["torch"][0][..., :m])
+    assert torch.all(cpos["auto"][0][..., m:] == -1) and torch.all(cpos["torch"][0] >= 0)
+    for a, t in zip(cpos["auto"][1], cpos["torch"][1], strict=True):
+        assert torch.allclose(a[0], t[0], atol=1e-5)  # the slow slot: dense attention either way
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_incremental_pack_holds_the_chosen_rows_and_moves_only_new_ones(dtype):
+    """`cpu_decode.pack_compact_update`: after each of three selections the buffers hold exactly
+    the chosen rows (each entry's key and value are its cache row, converted as `.to` converts;
+    cidx names it), rows chosen again stay in their entry, entries holding nothing are -1; the
+    fast step over the result equals the one over `pack_compact`'s ordered buffers to rounding."""
+    from cotserve.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(9)
+    L, B, H, S, D, C = 3, 2, 2, 120, 16, 48  # noqa: N806
+    k, v = torch.randn(L, B, H, S, D, generator=g), torch.randn(L, B, H, S, D, generator=g)
+    ckt = torch.zeros(L, B, H, C // 16, D, 16, dtype=dtype)
+    cv = torch.zeros(L, B, H, C, D, dtype=dtype)
+    cidx = torch.full((L, B, H, C), -1, dtype=torch.long)
+    layers, slot = torch.tensor([0, 2]), 1
+    prev = None
+    for m, keep in ((40, 0), (45, 30), (33, 20)):
+        keys = []
+        for i in range(len(layers)):
+            rows = []
+            for h in range(H):
+                kept = [] if prev is None else prev[i][h][:keep]
+                rest = [r for r in torch.randperm(S, generator=g).tolist() if r not in kept][: m - len(kept)]
+                rows.append(sorted(kept + rest))
+            keys.append(rows)
+        kt = torch.tensor(keys)
+        before = cidx.clone()
+        cpu_decode.pack_compact_update(k, v, slot, kt, layers, ckt, cv, cidx)
+        for i, layer in enumerate(layers.tolist()):
+            for h in range(H):
+                ci = cidx[layer, slot, h]
+                held = ci[ci >= 0]
+                assert sorted(held.tolist()) == keys[i][h]
+                for c in (ci >= 0).nonzero().flatten().tolist():
+                    assert torch.equal(ckt[layer, slot, h, c // 16, :, c % 16], k[layer, slot, h, ci[c]].to(dtype))
+                    assert torch.equal(cv[layer, slot, h, c], v[layer, slot, h, ci[c]].to(dtype))
+                stayed = (before[layer, slot, h] >= 0) & torch.isin(before[layer, slot, h], kt[i, h])
+                assert torch.equal(ci[stayed], before[layer, slot, h][stayed])
+        assert torch.all(cidx[1] == -1) and torch.all(cidx[:, 0] == -1)  # other layers and slots untouched
+        prev = keys
+    # the fast step over the permuted buffers against pack_compact's ascending ones
+    ckt2, cv2 = torch.zeros_like(ckt), torch.zeros_like(cv)
+    cpu_decode.pack_compact(k, v, slot, kt, layers, ckt2, cv2)
+    m = kt.shape[-1]
+    q = torch.randn(B, H, 3, D, generator=g)
+    ws, we = torch.tensor([110, 110]), torch.tensor([S, S])
+    for layer in layers.tolist():
+        mask_a = cidx[layer] >= 0
+        mask_b = torch.zeros(B, H, C, dtype=torch.bool)
+        mask_b[slot, :, :m] = True
+        a = cpu_decode.two_source_decode(q, ckt[layer], cv[layer], mask_a, k[layer], v[layer], ws, we, 0.25)
+        o = cpu_decode.two_source_decode(q, ckt2[layer], cv2[layer], mask_b, k[layer], v[layer], ws, we, 0.25)
+        assert torch.allclose(a[slot], o[slot], atol=1e-5)

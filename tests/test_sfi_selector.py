@@ -258,3 +258,63 @@ def test_fused_evidence_and_instability_equal_the_two_separate_steps(alpha):
             assert float(instab.max()) > 0  # something to measure: the test can fail
         f2, none = sel.evidence_and_instability(x.clone(), alpha, k, recent, oldest, with_instability=False)
         assert none is None and torch.allclose(f2, f_ref, atol=1e-6)
+
+
+def _selector_case(seed: int, p: int, h: int, n: int):
+    from cotserve.policies.sfi.config import SFIConfig
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(p, h, 1, 3, n, generator=g) * 3.0
+    logits[..., :4] = float("-inf")
+    cfg = SFIConfig(k=min(64, n - 8), recent=16)
+    f, _ = sel.evidence_and_instability(logits, cfg.alpha, cfg.k, cfg.recent, 0, False)
+    pos = (torch.arange(n) * 2 + torch.randint(0, 2, (p, h, n), generator=g)).sort(-1).values  # true positions
+    norms = torch.rand(p, h, n, generator=g) * 4.0 + 0.1
+    return cfg, f, pos, norms, int(pos.max())
+
+
+@pytest.mark.parametrize("opts", [{}, {"lam": 0.3}, {"nms_window": 3, "nms_strength": 0.8}, {"nms_window": 5},
+                                  {"nms_strength": 0.0, "excl_strength": 0.0}, {"norm_power": 0.0, "brake": 1.0},
+                                  {"tail": 5, "decay": 2.0, "excl_temperature": 0.5}])
+def test_cpu_selector_equals_the_torch_selector(opts):
+    """`cpu_decode.selector_scores` / `selector_select` (SFI's selector steps 2-5 in C++) against
+    the torch form: scores to float rounding, -inf exactly where the torch form has it, and the
+    same selected entries (any difference only between entries whose torch scores tie to float
+    rounding at the k-th place)."""
+    import dataclasses
+
+    from cotserve.kernels import cpu_decode
+    from cotserve.policies.sfi.selection import select_from_evidence, selector_scores_from_evidence
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    cfg, f, pos, norms, now = _selector_case(len(opts), 3, 4, 500)
+    cfg = dataclasses.replace(cfg, **opts)
+    want = selector_scores_from_evidence(cfg, f, pos, norms, now)
+    got = cpu_decode.selector_scores(cfg, f, pos, norms, now)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)) and torch.all(got[~fin] == float("-inf"))
+    assert torch.allclose(got[fin], want[fin], atol=2e-5, rtol=1e-5), (got[fin] - want[fin]).abs().max()
+    ref = select_from_evidence(cfg, f, pos, norms, now)
+    idx = select_from_evidence(cfg, f, pos, norms, now, kernel=True)
+    assert idx.shape == ref.shape and torch.all(idx[..., 1:] > idx[..., :-1])
+    kth = want.topk(cfg.k, dim=-1).values[..., -1:]  # the k-th best torch score per row
+    for a, r, w, t in zip(idx.flatten(0, 1), ref.flatten(0, 1), want.flatten(0, 1), kth.flatten(0, 1), strict=True):
+        diff = set(a.tolist()) ^ set(r.tolist())
+        assert all(abs(float(w[i] - t)) < 1e-5 for i in diff), diff
+
+
+def test_cpu_topk_equals_torch_topk_and_breaks_ties_by_index():
+    from cotserve.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip("the CPU kernel did not build here (no compiler)")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, 333, generator=g)
+    x[0, 0, 10:40] = float("-inf")
+    x[1, 1, :] = -x[1, 1, :].abs()  # all negative
+    for k in (1, 17, 200, 333):
+        assert torch.equal(cpu_decode.topk_ascending(x, k), sel.topk_per_head(x, k))
+    ties = torch.tensor([[0.5, 1.0, 1.0, 0.2, 1.0, 1.0, -3.0]])
+    assert cpu_decode.topk_ascending(ties, 3).tolist() == [[1, 2, 4]]
+    assert cpu_decode.topk_ascending(ties, 5).tolist() == [[0, 1, 2, 4, 5]]

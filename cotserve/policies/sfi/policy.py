@@ -16,6 +16,11 @@ attention over the whole history for that slot, whose logits for the last `obs_w
 queries (kept in a small ring buffer per layer; the paper's W = 1: the current query) feed the selector's evidence step; after the last
 layer, the rest of the selector runs for all layers of the slot at once (the same problem per
 layer, batched), then the compact buffers are re-packed. The bootstrap takes the same path.
+Under the C++ kernel with one observation row and no fallback heads (the paper's defaults) the
+slow slots' dense attention and evidence come from the fast step's own kernel call
+(`cpu_decode.two_source_decode_evidence`), the selector runs in C++ (`cpu_decode.selector_select`)
+and the re-pack is incremental (`cpu_decode.pack_compact_update`); the torch forms are their
+references.
 
 Telemetry per response: `sfi_slow_step_ratio` (slow steps / decode steps) and
 `sfi_retained_ratio` (entries read / entries in context, averaged over layers, KV heads and
@@ -117,6 +122,10 @@ class SFIPolicy(Policy):
             # the C++ kernel's layout: keys in blocks of 16 entries, [C / 16, D, 16] per head
             self.C = -(-self.C // 16) * 16
             self.ckt = torch.zeros(L, B, H, self.C // 16, D, 16, dtype=cdt, device=dev)
+            # the cache row each compact entry holds (-1: none), for the incremental re-pack, and
+            # the cache compaction epoch it refers to
+            self.cidx = torch.full((L, B, H, self.C), -1, dtype=torch.long, device=dev)
+            self.cidx_epoch = [[0] * B for _ in range(L)]
         else:
             # keys stored transposed ([D, C] per head: q.K^T is then a plain matmul, about twice
             # as fast on CPU as one over a transposed view)
@@ -147,6 +156,13 @@ class SFIPolicy(Policy):
         self.evidence: dict[int, list[tuple[torch.Tensor, int, torch.Tensor | None] | None]] = {}
         # unstable-head fallback: which (layer, slot, KV head) take the fallback read on fast steps
         self.n_dense = round(cfg.dense_heads * L * H)
+        # the slow step fused into the kernel's decode call (`cpu_decode.two_source_decode_evidence`):
+        # one read of the keys gives the slow slots' dense attention and their evidence, for the
+        # paper's one observation row (the current query) and no fallback heads (whose support
+        # instability needs the torch form); the evidence lands in fbuf [L, B, H, capacity]
+        self.fused_slow = self.kernel and cfg.obs_window == 1 and self.n_dense == 0 and cfg.alpha > 0
+        if self.fused_slow:
+            self.fbuf = torch.zeros(L, B, H, shape.capacity, dtype=torch.float32, device=dev)
         self.dense_by_layer: list[list[tuple[int, int]]] = []
         self.set_dense_heads(torch.zeros(L, B, H, dtype=torch.bool, device=dev))
         self.dense_sum = [0.0] * B
@@ -202,11 +218,14 @@ class SFIPolicy(Policy):
             if item is not None:
                 groups.setdefault((item[0].shape[-1], item[1]), []).append(layer)
         for (n, now), layers in groups.items():
-            f = torch.stack([per_layer[layer][0] for layer in layers])  # [l, H, n]
+            if self.fused_slow and len(layers) == self.n_layers:
+                f = self.fbuf[:, b, :, :n]  # the kernel wrote every layer's evidence here: a view
+            else:
+                f = torch.stack([per_layer[layer][0] for layer in layers])  # [l, H, n]
             # all layers (the usual case): views; otherwise copies of the chosen layers
             li = slice(None) if len(layers) == self.n_layers else torch.tensor(layers, device=cache.device)
             pos = cache.pos[li, b, :, :n]  # [l, H, n]
-            idx = select_from_evidence(cfg, f, pos, self._key_norms(li, layers, b, n, cache), now)
+            idx = select_from_evidence(cfg, f, pos, self._key_norms(li, layers, b, n, cache), now, self.kernel)
             self._pack(layers, b, n, idx, pos, cache)
             self.k_eff[b] = idx.shape[-1]
         if self.n_dense > 0:
@@ -260,22 +279,31 @@ class SFIPolicy(Policy):
 
     def _pack(self, layers: list[int], b: int, n: int, idx: torch.Tensor, pos: torch.Tensor, cache) -> None:
         """Write sinks + selected entries (idx [l, H, ke]) of slot b into the compact buffers: under
-        the C++ kernel one pass (`cpu_decode.pack_compact`); otherwise one `index_select` each for
+        the C++ kernel incrementally (`cpu_decode.pack_compact_update`: only the rows newly chosen
+        since the last refresh are read, into the entries of those that left); otherwise one `index_select` each for
         K and V over the cache's flat [entries, D] view (row indices computed for every layer and
         head at once; `KVCache` buffers are contiguous), then one strided copy into the buffers."""
         ns = min(self.config.sinks, n)
         keys = torch.cat([torch.arange(ns, device=idx.device).expand(*idx.shape[:-1], ns), idx], dim=-1)
         nl, h, m = keys.shape
         sel = slice(None) if nl == self.n_layers else torch.tensor(layers, device=idx.device)
+        if self.kernel and m > 0:
+            # incremental, in C++: the rows still chosen stay where they are in the buffers, only the
+            # new ones are read and converted (a compaction of the cache renumbers its rows: full re-pack)
+            for layer in layers:
+                if self.cidx_epoch[layer][b] != cache.compactions[layer][b]:
+                    self.cidx[layer, b] = -1
+                    self.cidx_epoch[layer][b] = cache.compactions[layer][b]
+            lt = torch.tensor(layers, device=idx.device)
+            cpu_decode.pack_compact_update(cache.k, cache.v, b, keys, lt, self.ckt, self.cv, self.cidx)
+            ci = self.cidx[sel, b]  # [l, H, C]
+            self.cpos[sel, b] = torch.where(ci >= 0, torch.gather(pos, 2, ci.clamp(min=0)), -1)
+            return
         self.cpos[sel, b] = -1
         self.cpos[sel, b, :, :m] = torch.gather(pos, 2, keys)
         if m == 0:
             return
         lt = torch.tensor(layers, device=idx.device)
-        if self.kernel:  # one pass in C++: the chosen rows into blocks of 16 entries [C / 16, D, 16]
-            # (entries after m repeat row 0, masked by their cpos of -1) and the values, converted
-            cpu_decode.pack_compact(cache.k, cache.v, b, keys, lt, self.ckt, self.cv)
-            return
         _, slots, heads, cap, d = cache.k.shape
         row0 = ((lt.view(-1, 1) * slots + b) * heads + torch.arange(h, device=idx.device)) * cap  # [l, H]
         flat = (keys + row0.unsqueeze(-1)).view(-1)
@@ -343,6 +371,9 @@ class SFIPolicy(Policy):
                 self.slow_slots.append(b)
         self.active_now = active
         self.ptr_t = torch.tensor(self.ptr_now, device=self.bidx.device)
+        if self.fused_slow and self.slow_slots:
+            self.slow_t = torch.zeros(len(self.triggers), dtype=torch.bool, device=self.bidx.device)
+            self.slow_t[self.slow_slots] = True
         dev = self.bidx.device
         r = cfg.recent
         self.wstart = [max(0, n - r) for n in self.lens]
@@ -372,6 +403,15 @@ class SFIPolicy(Policy):
             self._plan(batch)
         cache = batch.cache
         self.ring[layer, self.bidx, :, self.ptr_t] = q[:, :, 0]
+        if self.fused_slow and self.slow_slots:
+            out = self._fast(layer, q, batch, fused=True)
+            for b in self.slow_slots:
+                item = (self.fbuf[layer, b, :, : self.lens[b]], self.ring_pos[b][self.ptr_now[b]], None)
+                self.evidence.setdefault(b, [None] * self.n_layers)[layer] = item
+            if layer == self.n_layers - 1:
+                for b in list(self.evidence):
+                    self._select_slot(b, batch)
+            return out
         if self.any_fast:
             out = self._fast(layer, q, batch)
             heads = [(b, h) for b, h in self.dense_by_layer[layer] if b not in self.slow_slots and self.active_now[b]]
@@ -392,14 +432,20 @@ class SFIPolicy(Policy):
                 self._select_slot(b, batch)
         return out
 
-    def _fast(self, layer: int, q: torch.Tensor, batch: BatchState) -> torch.Tensor:
+    def _fast(self, layer: int, q: torch.Tensor, batch: BatchState, fused: bool = False) -> torch.Tensor:
+        """The fast step of every slot; `fused` (the kernel's fused slow step): the slow slots'
+        dense attention and evidence in the same call."""
         cache = batch.cache
         if self.kernel:
             b, hq, _, d = q.shape
             hkv = self.ckt.shape[2]
-            out = cpu_decode.two_source_decode(q.view(b, hkv, hq // hkv, d), self.ckt[layer], self.cv[layer],
-                                               self.cmask[layer], cache.k[layer], cache.v[layer], *self.wrange,
-                                               batch.scaling)
+            args = (q.view(b, hkv, hq // hkv, d), self.ckt[layer], self.cv[layer], self.cmask[layer], cache.k[layer],
+                    cache.v[layer], *self.wrange, batch.scaling)
+            if fused:
+                out = cpu_decode.two_source_decode_evidence(*args, self.slow_t, self.fbuf[layer], self.config.sinks,
+                                                            self.config.alpha)
+            else:
+                out = cpu_decode.two_source_decode(*args)
             return out.view(b, hq, 1, d)
         wk = cache.k[layer, :, :, self.lo : self.hi]
         wv = cache.v[layer, :, :, self.lo : self.hi]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from cotserve.kernels import cpu_decode
 from cotserve.policies import selector as sel
 from cotserve.policies.sfi.config import SFIConfig
 
@@ -35,15 +36,19 @@ def evidence_of(cfg: SFIConfig, logits: torch.Tensor, allowed: torch.Tensor | No
 
 
 def select_from_evidence(cfg: SFIConfig, f: torch.Tensor, positions: torch.Tensor, key_norms: torch.Tensor,
-                         now: int) -> torch.Tensor:
+                         now: int, kernel: bool = False) -> torch.Tensor:
     """Selector steps 2-5 on the evidence f [..., H, S]: prior, fusion, soft-NMS, cross-head
     exclusivity, top-K per KV head. Any leading dims (e.g. the layers of one sequence, selected
     together after a slow step) are independent problems. Returns long [..., H, min(k, S - sinks)]
-    sorted ascending."""
+    sorted ascending. `kernel`: through the C++ selector (`cpu_decode.selector_select`, CPU
+    tensors of [P, H, S], options it supports), the same selection up to float rounding; the
+    torch form below is its reference."""
     s = f.shape[-1]
     k_eff = min(cfg.k, s - cfg.sinks)
     if k_eff <= 0:
         return torch.empty(*f.shape[:-1], 0, dtype=torch.long, device=f.device)
+    if kernel and f.dim() == 3 and f.device.type == "cpu" and cpu_decode.selector_supported(cfg):
+        return cpu_decode.selector_select(cfg, f, positions, key_norms, now, k_eff)
     return sel.topk_per_head(selector_scores_from_evidence(cfg, f, positions, key_norms, now), k_eff)
 
 
