@@ -76,6 +76,7 @@ def test_kernel_in_a_cuda_graph_follows_its_row_tensors():
     dev = torch.device("cuda")
     q, kc, bt, mode, slot, tok, lens, acc = (t.to(dev) for t in _case(9, hkv=8, g=4, d=128, max_len=96))
     q, kc = q.to(torch.bfloat16), kc.to(torch.bfloat16)
+    slot = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=dev)  # one row a slot, as in the runtime
     rows = torch.stack([mode, slot, tok, lens.clamp(max=90)])  # persistent, as the runtime's (room to grow)
     r_mode, r_slot, r_tok, r_len = rows
     live = acc.clone()
