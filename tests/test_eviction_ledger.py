@@ -77,5 +77,7 @@ def test_request_policies_the_vllm_engine_accepts():
     assert both.evict.name == "skipkv" and both.steer.config.alpha0 == 2.0
     with pytest.raises(PolicyError, match="the engine's"):  # the vector is the engine's, not the request's
         request_policy_of({"cotserve": {"policy": "steering", "options": {"layer": 3}}})
-    with pytest.raises(PolicyError, match="skipkv\\+sfi"):
-        request_policy_of({"cotserve": {"policy": "skipkv+sfi", "options": {"sfi.dense_heads": 0}}}, platform="cuda")
+    for platform in ("cpu", "cuda"):  # eviction with SFI runs on both backends
+        pol = request_policy_of({"cotserve": {"policy": "skipkv+sfi", "options": {"sfi.dense_heads": 0}}},
+                                platform=platform)
+        assert pol.evict.name == "skipkv" and pol.sfi is not None
