@@ -27,6 +27,10 @@ from cotserve.engine.sampling import SamplingParams  # noqa: E402
 
 CTX, NEW = 4096, 256
 SFI = {"dense_heads": 0}  # the paper's SFI (the unstable-head fallback does not run on vLLM)
+# the native side in the policy's torch forms, which vLLM's CPU runtime is built from (the native C++
+# fast and slow steps round differently, and one flipped greedy token changes the rest; they are
+# tested against the torch forms in tests/test_sfi.py)
+NATIVE_SFI = {**SFI, "kernel": "torch"}
 
 
 
@@ -63,7 +67,7 @@ def vllm_tokens(loaded, prompt):
 def native_tokens(loaded, prompt):
     eng = NativeEngine(loaded, max_batch=1)
     out = {}
-    for pol, opts in (("dense", None), ("sfi", SFI)):
+    for pol, opts in (("dense", None), ("sfi", NATIVE_SFI)):
         (res,) = eng.generate([GenRequest(prompt, SamplingParams(max_tokens=NEW, ignore_eos=True))], pol, opts)
         out[pol] = res.token_ids
     return out
