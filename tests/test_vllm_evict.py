@@ -139,7 +139,7 @@ def native_run(loaded, prompts):
         return res
 
     sk = evicting("skipkv", SKIPKV)
-    combo = evicting("skipkv+sfi", COMBO)
+    combo = evicting("skipkv+sfi", {**COMBO, "sfi.kernel": "torch"})  # the torch forms vLLM's CPU runtime uses
     h2o = evicting("h2o", H2O)
     (dense,) = eng.generate([GenRequest(prompts[0], sp)], "dense")
     (steer,) = eng.generate([GenRequest(prompts[0], sp)], "steering", STEER)
