@@ -871,8 +871,9 @@ void pack_rows(const torch::Tensor& k, const torch::Tensor& v, int64_t b, const 
   });
 }
 
-void pack_compact(torch::Tensor k, torch::Tensor v, int64_t b, torch::Tensor keys, torch::Tensor layers,
-                  torch::Tensor ckt, torch::Tensor cv) {
+// The argument checks pack_compact and pack_compact_update share.
+static void check_pack_args(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& keys,
+                            const torch::Tensor& layers, const torch::Tensor& ckt, const torch::Tensor& cv) {
   TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.scalar_type() == torch::kFloat32 &&
               v.scalar_type() == torch::kFloat32 && k.stride(4) == 1 && v.stride(4) == 1,
               "k, v must be float32 [L, B, H, S, D] with contiguous rows");
@@ -883,6 +884,11 @@ void pack_compact(torch::Tensor k, torch::Tensor v, int64_t b, torch::Tensor key
   TORCH_CHECK(ckt.dim() == 6 && ckt.size(5) == 16 && ckt.size(4) == k.size(4) && ckt.is_contiguous() &&
               cv.is_contiguous() && cv.dim() == 5 && cv.size(3) == ckt.size(3) * 16 && cv.size(4) == k.size(4) &&
               ckt.scalar_type() == cv.scalar_type(), "ckt [L, B, H, C / 16, D, 16] and cv [L, B, H, C, D], contiguous");
+}
+
+void pack_compact(torch::Tensor k, torch::Tensor v, int64_t b, torch::Tensor keys, torch::Tensor layers,
+                  torch::Tensor ckt, torch::Tensor cv) {
+  check_pack_args(k, v, keys, layers, ckt, cv);
   TORCH_CHECK(b >= 0 && b < k.size(1) && keys.size(2) >= 1 && keys.size(2) <= cv.size(3), "slot or entry count out of range");
   keys = keys.contiguous();
   layers = layers.contiguous();
@@ -1053,16 +1059,7 @@ void update_rows(const torch::Tensor& k, const torch::Tensor& v, int64_t b, cons
 
 void pack_compact_update(torch::Tensor k, torch::Tensor v, int64_t b, torch::Tensor keys, torch::Tensor layers,
                          torch::Tensor ckt, torch::Tensor cv, torch::Tensor cidx) {
-  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.scalar_type() == torch::kFloat32 &&
-              v.scalar_type() == torch::kFloat32 && k.stride(4) == 1 && v.stride(4) == 1,
-              "k, v must be float32 [L, B, H, S, D] with contiguous rows");
-  TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == torch::kInt64 && keys.size(1) == k.size(2),
-              "keys must be int64 [nl, H, m]");
-  TORCH_CHECK(layers.dim() == 1 && layers.size(0) == keys.size(0) && layers.scalar_type() == torch::kInt64,
-              "layers must be int64 [nl]");
-  TORCH_CHECK(ckt.dim() == 6 && ckt.size(5) == 16 && ckt.size(4) == k.size(4) && ckt.is_contiguous() &&
-              cv.is_contiguous() && cv.dim() == 5 && cv.size(3) == ckt.size(3) * 16 && cv.size(4) == k.size(4) &&
-              ckt.scalar_type() == cv.scalar_type(), "ckt [L, B, H, C / 16, D, 16] and cv [L, B, H, C, D], contiguous");
+  check_pack_args(k, v, keys, layers, ckt, cv);
   TORCH_CHECK(cidx.dim() == 4 && cidx.scalar_type() == torch::kInt64 && cidx.size(3) == cv.size(3) &&
               cidx.size(0) == cv.size(0) && cidx.size(1) == cv.size(1) && cidx.size(2) == cv.size(2),
               "cidx must be int64 [L, B, H, C]");

@@ -94,7 +94,7 @@ class GraphSFI(PagedSFI):
         nwrite = 0
         any_sfi = False
         qsl = cm.query_start_loc_cpu[: n_reqs + 1].tolist() if n_reqs else [0]
-        cuts: list[tuple[int, torch.Tensor]] = []  # compacted rows: their per-(layer, head) cutoffs
+        cuts: list[tuple[int, torch.Tensor | int]] = []  # compacted rows: their per-(layer, head) cutoffs
         for i in range(min(n_reqs, self.max_rows)):
             req = self.rows.rows.get(i)
             if req is None or req.sfi is None:
@@ -175,13 +175,13 @@ class GraphSFI(PagedSFI):
         st.refresh_blocks = cm.block_table_tensor[row].clone()
         st.refresh_pos = evict.positions(est, phys) if est.pos is not None else None
 
-    def _cutoff(self, est, ws: int, phys: int) -> torch.Tensor:
+    @staticmethod
+    def _cutoff(est, ws: int, phys: int) -> torch.Tensor | int:
         """The true position [L, Hkv] of each head's window entry `ws` (physical) of a compacted
-        request: among the entries its last compaction kept, or in the tail that followed them."""
+        request: among the entries its last compaction kept, or in the tail that followed them (one
+        position for every head)."""
         kept = est.pos.shape[-1]
-        if ws < kept:
-            return est.pos[:, :, ws].to(torch.int32)
-        return torch.full((self.L, self.hkv), est.tail_start + ws - kept, dtype=torch.int32, device=self.device)
+        return est.pos[:, :, ws].to(torch.int32) if ws < kept else est.tail_start + ws - kept
 
     def _admit(self, req: RowRequest) -> SlotState | None:
         cfg: SFIConfig = req.sfi
