@@ -258,7 +258,8 @@ KeyPrefixOpt = Annotated[str, typer.Option("--key-prefix", help="Prefix of every
                                            "can share one Redis).")]
 MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", help="B: the most sequences a worker decodes at "
                                                  "once: the slots of the continuous scheduler's pool (default 32), "
-                                                 "the batch of the static one and of --engine vllm (default 8).")]
+                                                 "the batch of the static one (default 8); with --engine vllm the "
+                                                 "sequences the worker keeps in vLLM (default: vLLM's max_num_seqs).")]
 BatchWaitOpt = Annotated[float, typer.Option("--batch-wait", help="Seconds a worker lets a group fill up to B "
                                              "before it claims fewer (measured from the oldest job's arrival).")]
 SchedulerOpt = Annotated[str, typer.Option("--scheduler", help="continuous (native engine: a job joins the running "
@@ -278,9 +279,27 @@ MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="vllm: co
 GpuMemOpt = Annotated[float | None, typer.Option("--gpu-memory-utilization", help="vllm: fraction of GPU memory "
                                                  "vLLM may take (default: vLLM's).")]
 MaxSeqsOpt = Annotated[int | None, typer.Option("--max-num-seqs", help="vllm: sequences decoded at once "
-                                                "(default: --max-batch).")]
+                                                "(default: vLLM's for the device, as `vllm serve` picks it).")]
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="vllm: no torch.compile and no CUDA graphs "
                                         "(starts faster, decodes slower).")]
+PPOpt = Annotated[int, typer.Option("--pipeline-parallel-size", help="vllm: pipeline stages per model replica.")]
+BatchedTokensOpt = Annotated[int | None, typer.Option("--max-num-batched-tokens", help="vllm: tokens per engine "
+                                                      "step (default: vLLM's for the device, as `vllm serve` "
+                                                      "picks it).")]
+AsyncSchedOpt = Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="vllm: "
+                                                    "asynchronous scheduling (default: vLLM's, on where the "
+                                                    "platform supports it). Eviction and steering requests need it "
+                                                    "off; while it is on they get a 400.", show_default=False)]
+PrefixCacheOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="vllm: "
+                                              "share KV blocks of common prompt prefixes (dense and SFI traffic); "
+                                              "eviction and steering requests then get a 400.")]
+KVDtypeOpt = Annotated[str | None, typer.Option("--kv-cache-dtype", help="vllm: KV cache dtype (auto, fp8, ...; "
+                                                "default: vLLM's).")]
+QuantOpt = Annotated[str | None, typer.Option("--quantization", help="vllm: weight quantization method "
+                                              "(default: the checkpoint's).")]
+VLLMArgOpt = Annotated[list[str] | None, typer.Option("--vllm-arg", help="vllm: any other argument of vLLM's "
+                                                      "engine as KEY=VALUE (repeatable; VALUE as JSON when it "
+                                                      "parses), checked against vLLM's AsyncEngineArgs.")]
 
 
 def _check_scheduler(scheduler: str, prefill_chunk: int, pool_len: int = 4096) -> None:
@@ -292,21 +311,45 @@ def _check_scheduler(scheduler: str, prefill_chunk: int, pool_len: int = 4096) -
         raise CotserveError("--pool-len must be at least 2")
 
 
-def _max_batch(max_batch: int | None, scheduler: str, engine: str) -> int:
+def _max_batch(max_batch: int | None, scheduler: str, engine: str) -> int | None:
     """--max-batch or its default: 32 slots for the native continuous pool (no padding between
-    sequences, dense caches grow as they decode), 8 for a static batch and for vLLM."""
+    sequences, dense caches grow as they decode), 8 for a static batch; None for vLLM (its own
+    max_num_seqs)."""
     if max_batch is None:
+        if engine == "vllm":
+            return None
         return 32 if scheduler == "continuous" and engine == "native" else 8
     if max_batch < 1:
         raise CotserveError("--max-batch must be at least 1")
     return max_batch
 
 
-def _vllm_options(tensor_parallel_size: int, max_model_len: int | None, gpu_memory_utilization: float | None,
-                  max_num_seqs: int | None, enforce_eager: bool) -> dict:
+def _vllm_options(engine: str, tensor_parallel_size: int, max_model_len: int | None,
+                  gpu_memory_utilization: float | None, max_num_seqs: int | None, enforce_eager: bool,
+                  pipeline_parallel_size: int = 1, max_num_batched_tokens: int | None = None,
+                  async_scheduling: bool | None = None, enable_prefix_caching: bool = False,
+                  kv_cache_dtype: str | None = None, quantization: str | None = None,
+                  vllm_arg: list[str] | None = None) -> dict:
+    """The VLLMOptions fields of the vLLM options; `--vllm-arg` pairs are checked against vLLM's
+    AsyncEngineArgs here, before any model loads."""
+    extra: dict = {}
+    if vllm_arg:
+        if engine != "vllm":
+            raise CotserveError("--vllm-arg needs --engine vllm")
+        try:
+            from cotserve.vllm.engine import parse_vllm_args
+        except ImportError as exc:
+            raise CotserveError(f"--vllm-arg needs vLLM installed: {exc}") from None
+        extra = parse_vllm_args(vllm_arg)
+    for name, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if value is not None and value < 1:
+            raise CotserveError(f"{name} must be at least 1")
     return dict(tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                enforce_eager=enforce_eager)
+                enforce_eager=enforce_eager, pipeline_parallel_size=pipeline_parallel_size,
+                max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                quantization=quantization, extra=extra)
 
 
 @app.command()
@@ -363,6 +406,13 @@ def serve(
     gpu_memory_utilization: GpuMemOpt = None,
     max_num_seqs: MaxSeqsOpt = None,
     enforce_eager: EagerOpt = False,
+    pipeline_parallel_size: PPOpt = 1,
+    max_num_batched_tokens: BatchedTokensOpt = None,
+    async_scheduling: AsyncSchedOpt = None,
+    enable_prefix_caching: PrefixCacheOpt = False,
+    kv_cache_dtype: KVDtypeOpt = None,
+    quantization: QuantOpt = None,
+    vllm_arg: VLLMArgOpt = None,
 ) -> None:
     """Serve the OpenAI-compatible API (gateway + in-process queue and worker by default)."""
     try:
@@ -397,8 +447,11 @@ def serve(
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                    max_wait=batch_wait, threads=threads, engine=engine,
                                    scheduler=scheduler, prefill_chunk=prefill_chunk, pool_len=pool_len,
-                                   vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
-                                                              gpu_memory_utilization, max_num_seqs, enforce_eager)))
+                                   vllm_options=_vllm_options(engine, tensor_parallel_size, max_model_len,
+                                                              gpu_memory_utilization, max_num_seqs, enforce_eager,
+                                                              pipeline_parallel_size, max_num_batched_tokens,
+                                                              async_scheduling, enable_prefix_caching,
+                                                              kv_cache_dtype, quantization, vllm_arg)))
     except CotserveError as exc:
         fail(str(exc))
 
@@ -431,6 +484,13 @@ def worker(
     gpu_memory_utilization: GpuMemOpt = None,
     max_num_seqs: MaxSeqsOpt = None,
     enforce_eager: EagerOpt = False,
+    pipeline_parallel_size: PPOpt = 1,
+    max_num_batched_tokens: BatchedTokensOpt = None,
+    async_scheduling: AsyncSchedOpt = None,
+    enable_prefix_caching: PrefixCacheOpt = False,
+    kv_cache_dtype: KVDtypeOpt = None,
+    quantization: QuantOpt = None,
+    vllm_arg: VLLMArgOpt = None,
 ) -> None:
     """Decode jobs from a Redis queue (run as many as wanted next to `serve --redis-url`)."""
     try:
@@ -445,9 +505,12 @@ def worker(
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                                      max_wait=batch_wait, threads=threads, engine=engine,
                                                      scheduler=scheduler, prefill_chunk=prefill_chunk, pool_len=pool_len,
-                                                     vllm_options=_vllm_options(tensor_parallel_size, max_model_len,
-                                                                                gpu_memory_utilization, max_num_seqs,
-                                                                                enforce_eager)),
+                                                     vllm_options=_vllm_options(
+                                                         engine, tensor_parallel_size, max_model_len,
+                                                         gpu_memory_utilization, max_num_seqs, enforce_eager,
+                                                         pipeline_parallel_size, max_num_batched_tokens,
+                                                         async_scheduling, enable_prefix_caching, kv_cache_dtype,
+                                                         quantization, vllm_arg)),
                    worker_id=worker_id, heartbeat_s=heartbeat, metrics_port=metrics_port, metrics_host=metrics_host,
                    stats_s=stats_interval)
     except CotserveError as exc:

@@ -135,6 +135,40 @@ def test_raw_sse_format(server, engine):
     assert text == greedy(engine, PROMPT, 8)
 
 
+def test_first_sse_chunk_carries_the_first_generated_token(engine):
+    """Time to first token means the first generated token: nothing but SSE comments leaves before
+    the worker has produced a token, and the first chunk holds the role and that token's text."""
+    with Embedded(engine, worker=False) as s:
+        s.queue.heartbeat("w-late", 60)  # a registered worker that has not claimed anything yet
+        got: list[tuple[float, str]] = []
+
+        def read():
+            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=120,
+                              json=body(stream=True, max_tokens=4)) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        got.append((time.time(), line[len("data: "):]))
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        time.sleep(1.5)
+        assert got == []  # no role chunk before generation
+        w = Worker(engine, s.queue, worker_id="w-late", max_batch=4)
+        started = time.time()
+        wt = threading.Thread(target=w.run, daemon=True)
+        wt.start()
+        try:
+            t.join(120)
+        finally:
+            w.stop()
+            wt.join(60)
+        first = json.loads(got[0][1])
+        assert got[0][0] >= started
+        delta = first["choices"][0]["delta"]
+        assert delta["role"] == "assistant" and delta["content"]
+        assert greedy(engine, PROMPT, 4).startswith(delta["content"])
+
+
 def test_request_shapes(server, engine):
     # text parts, developer role, unknown fields, max_completion_tokens, stop strings
     want = greedy(engine, PROMPT, 8)

@@ -83,6 +83,8 @@ class Delta:
     result: Completion | None = None
     # per token of token_ids when the request asked for logprobs: (logprob, [(id, logprob)] top-k)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # set when this request failed on its own (the engine goes on with the others): the client's message
+    error: str | None = None
 
 
 @dataclass

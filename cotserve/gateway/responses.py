@@ -97,9 +97,8 @@ async def chat_stream(relay: JobRelay, job: Job, plan: ChatPlan, request: Reques
     choices = [ChatChoice(i, plan) for i in range(plan.n)]
     dones: list[dict[str, Any]] = []
     gen = relay.events(job, request, plan.n)
+    announced: set[int] = set()  # choices whose role went out: with their first generated token
     try:
-        for c in choices:
-            yield _chunk({"role": "assistant", "content": ""}, None, index=c.index)
         async for ev in relay.guard(gen):
             if ev["t"] == "ping":
                 yield ": keep-alive\n\n"
@@ -115,6 +114,12 @@ async def chat_stream(relay: JobRelay, job: Job, plan: ChatPlan, request: Reques
             lp = None
             if plan.logprobs and ev.get("lp"):
                 lp = chat_logprobs(token_text, ev["ids"], ev["lp"], plan.top_logprobs)
+            if c.index not in announced:  # the first chunk carries the first generated token (TTFT)
+                announced.add(c.index)
+                if delta or lp:
+                    delta = {"role": "assistant", **({"content": ""} if "content" not in delta else {}), **delta}
+                else:
+                    yield _chunk({"role": "assistant", "content": ""}, None, index=c.index)
             if delta or lp:
                 yield _chunk(delta, None, index=c.index, logprobs=lp)
             if ev["t"] == "done":

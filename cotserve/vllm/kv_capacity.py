@@ -31,6 +31,7 @@ class KVCapacity:
         self._lock = threading.Lock()
         self._usage: dict[int, float] = {}  # engine index -> fraction of KV blocks in use
         self._config: Any = None  # vllm_config (its cache_config is filled in at startup)
+        self._seq = 0  # reports received (the continuous pool counts what it submitted since the last)
 
     def bind(self, vllm_config: Any) -> None:
         """The engine's `VllmConfig` (its cache_config carries num_gpu_blocks after startup)."""
@@ -41,6 +42,14 @@ class KVCapacity:
         """One step's `SchedulerStats.kv_cache_usage` of engine `engine_idx`."""
         with self._lock:
             self._usage[engine_idx] = min(1.0, max(0.0, float(usage)))
+            self._seq += 1
+
+    def report(self) -> tuple[int | None, int]:
+        """(free tokens, how many reports came so far): a sequence submitted at report n is in the
+        free figure once a report later than n has come."""
+        with self._lock:
+            seq = self._seq
+        return self.free_tokens(), seq
 
     def total_tokens(self) -> int | None:
         """KV tokens vLLM allocated (all engines), or None before it sized its cache."""

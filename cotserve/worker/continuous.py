@@ -6,6 +6,13 @@ drives a `ContinuousEngine`: before every engine step it claims as many jobs as 
 for the static worker; with nothing running it lets a group fill for `--batch-wait` first, with
 sequences running it claims at once), submits them, runs one step and publishes that step's
 deltas. A cancelled job leaves the engine at the next step and its slot goes to the next job.
+
+On an engine that batches by itself (vLLM: `engine.open_pool()`, `vllm/pool.py`) the pool hands
+each claimed sequence to it at once; the worker claims again whenever it has room (free sequence
+slots, and the KV tokens it last reported free, less what was submitted since, cover the job) and
+publishes whatever output arrived, one event per request per engine step at most. A sequence that
+fails there fails its own job alone.
+
 Everything else (heart-beats, reaping, deadlines, resuming a job after a lost worker, `n`
 sequences per job, logprobs, request logs) follows the static worker (`worker/static.py`).
 """
@@ -21,7 +28,7 @@ from cotserve.engine.continuous import ContinuousEngine
 from cotserve.engine.native import Delta, NativeEngine
 from cotserve.errors import CotserveError, RequestError
 from cotserve.policies.registry import build_policy
-from cotserve.queue.base import Job, JobQueue
+from cotserve.queue.base import Job, JobQueue, kv_need
 from cotserve.worker.events import Resume, delta_event, diverged_error, done_event
 from cotserve.worker.metrics import WorkerMetrics
 from cotserve.worker.static import Worker
@@ -59,9 +66,27 @@ class ContinuousWorker(Worker):
         self._seq: dict[str, tuple[str, int]] = {}  # request id -> (job id, sequence index)
         self._last_cancel_poll = 0.0
 
-    def _new_pool(self) -> ContinuousEngine:
+    def _new_pool(self) -> Any:
+        open_pool = getattr(self.engine, "open_pool", None)
+        if open_pool is not None:  # an engine that batches by itself (vLLM)
+            return open_pool(self.max_batch)
         return ContinuousEngine(self.engine, slots=self.max_batch, prefill_chunk=self.prefill_chunk,
                                 pool_len=self.pool_len)
+
+    def _claim_budget(self) -> tuple[bool, int | None]:
+        """(claim now?, at most this many KV tokens): a pool that knows the engine's free KV
+        capacity (vLLM) takes no new job while that is used up and sequences still run."""
+        budget_of = getattr(self.pool, "kv_budget", None)
+        if budget_of is None:
+            return True, None
+        try:
+            budget = budget_of()
+        except Exception:  # a capacity report must never stop the worker: claim by count
+            log.warning("the engine's KV capacity report failed", exc_info=True)
+            return True, None
+        if budget is not None and budget <= 0 and not self.pool.idle:
+            return False, None
+        return True, budget
 
     def run_once(self) -> int:
         """Reap now and then, claim jobs for the free slots, run one engine step; returns the
@@ -73,8 +98,10 @@ class ContinuousWorker(Worker):
                 log.warning("job %s returned to pending (its worker stopped heart-beating)", jid)
         claimed = 0
         free = self.pool.free_slots()
-        if free > 0:
-            jobs = self.queue.claim(self.worker_id, free, self.max_wait if self.pool.idle else 0.0)
+        go, budget = self._claim_budget() if free > 0 else (False, None)
+        if go:
+            jobs = self.queue.claim(self.worker_id, free, self.max_wait if self.pool.idle else 0.0,
+                                    max_tokens=budget)
             for job in jobs:
                 self._start(job)
             claimed = len(jobs)
@@ -121,9 +148,13 @@ class ContinuousWorker(Worker):
             return
         run = _Running(job, n, n, resume, request_ids=[r.request_id for r in copies])
         self._jobs[job.id] = run
+        kv_aware = hasattr(self.pool, "kv_budget")
         for i, (req, stack) in enumerate(zip(copies, stacks, strict=True)):
             self._seq[req.request_id] = (job.id, i)
-            self.pool.submit(req, stack)
+            if kv_aware:
+                self.pool.submit(req, stack, need=kv_need(job) // n)
+            else:
+                self.pool.submit(req, stack)
 
     def _poll_cancelled(self) -> None:
         now = time.monotonic()
@@ -148,6 +179,11 @@ class ContinuousWorker(Worker):
                     self._seq.pop(d.request_id, None)
                 continue
             job, n = run.job, run.n
+            if d.error is not None:  # this sequence failed on its own: its job fails, the others go on
+                self._seq.pop(d.request_id, None)
+                self._last_token_at.pop(d.request_id, None)
+                self._fail_job(run, d.error)
+                continue
             events: list[dict[str, Any]] = []
             ids, text = list(d.token_ids), d.text
             st = run.resume
@@ -184,6 +220,20 @@ class ContinuousWorker(Worker):
                     self._log_request(job, d.result.finish_reason, d.result.prompt_tokens,
                                       d.result.completion_tokens, run.first_token_at, d.result.telemetry)
 
+    def _fail_job(self, run: _Running, message: str) -> None:
+        """One of the job's sequences failed in the engine: the job ends with an error event (its
+        other sequences are stopped); every other job goes on."""
+        if self._jobs.pop(run.job.id, None) is None:
+            return
+        log.warning("request %s failed in the engine: %s", run.job.id, message)
+        for rid in run.request_ids:
+            if rid in self._seq:
+                self.pool.cancel(rid)
+                self._seq.pop(rid, None)
+        self._error(run.job, 500, "server_error", f"{message}; the server log has the details")
+        self._stream_len.pop(run.job.id, None)
+        self.jobs_done += 1
+
     def _end_lost(self, run: _Running) -> None:
         """A job this worker no longer owns (or whose retry diverged): stop its sequences, free
         their slots, acknowledge it as failed once."""
@@ -202,11 +252,11 @@ SCHEDULERS = ("continuous", "static")
 
 def make_worker(engine: Any, queue: JobQueue, scheduler: str = "continuous", prefill_chunk: int = 256,
                 pool_len: int = 4096, **kwargs: Any) -> Worker:
-    """The worker for `--scheduler`: continuous (native engine: a job joins whenever a slot is
-    free) or static (a claimed group runs to its end before the next claim). Engines other than
-    the native one (vLLM schedules its own batch) always get the static loop."""
+    """The worker for `--scheduler`: continuous (a job joins whenever the engine has room: the
+    native engine's slots, or vLLM's own batch through `engine.open_pool()`) or static (a claimed
+    group runs to its end before the next claim)."""
     if scheduler not in SCHEDULERS:
         raise CotserveError(f"unknown scheduler {scheduler!r} (continuous or static)")
-    if scheduler == "continuous" and isinstance(engine, NativeEngine):
+    if scheduler == "continuous" and (isinstance(engine, NativeEngine) or hasattr(engine, "open_pool")):
         return ContinuousWorker(engine, queue, prefill_chunk=prefill_chunk, pool_len=pool_len, **kwargs)
     return Worker(engine, queue, **kwargs)

@@ -23,7 +23,8 @@ class EngineArgs:
     model: str = "smollm2-135m-instruct"
     device: str = "auto"
     dtype: str = "auto"
-    max_batch: int = 8
+    max_batch: int | None = None  # native: its slots (8 when unset); vllm: this worker's sequences in flight
+    # (default: vLLM's max_num_seqs)
     max_wait: float = 0.02
     threads: int | None = None
     engine: str = "native"  # native | vllm
@@ -39,14 +40,14 @@ def make_engine(engine_args: EngineArgs):
         from cotserve.vllm.engine import VLLMEngine, VLLMOptions
 
         return VLLMEngine(engine_args.model, device=engine_args.device, dtype=engine_args.dtype,
-                          max_batch=engine_args.max_batch, options=VLLMOptions(**engine_args.vllm_options))
+                          options=VLLMOptions(**engine_args.vllm_options))
     if engine_args.engine != "native":
         raise CotserveError(f"unknown engine {engine_args.engine!r} (native or vllm)")
     from cotserve.engine.native import NativeEngine
     from cotserve.models import load_model
 
     return NativeEngine(load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype),
-                        max_batch=engine_args.max_batch)
+                        max_batch=engine_args.max_batch or 8)
 
 
 def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedded") -> threading.Thread:

@@ -1,0 +1,46 @@
+"""How a worker request becomes a vLLM request and a vLLM output a worker delta: the policy's
+`extra_args`, the `SamplingParams`, the logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cotserve.engine.native import GenRequest
+from cotserve.policies.base import PolicyStack
+
+
+def policy_extra_args(stack: PolicyStack) -> dict[str, Any] | None:
+    """`extra_args` for vLLM from a built policy stack (None for dense)."""
+    if not stack.parts:
+        return None
+    options: dict[str, Any] = {}
+    for part in stack.parts:
+        for k, v in dataclasses.asdict(part.config).items():
+            options[f"{part.name}.{k}"] = v
+    return {"cotserve": {"policy": stack.name, "options": options}}
+
+
+def worker_logprobs(ids: list[int], vlp, top: int | None) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    """vLLM's per-token logprob dicts as the worker's (chosen logprob, top-k list) pairs."""
+    if top is None or vlp is None:
+        return None
+    out = []
+    for tok, entry in zip(ids, vlp, strict=False):
+        ranked = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda x: -x[1])
+        chosen = entry[tok].logprob if tok in entry else float("-inf")
+        out.append((chosen, ranked[:top]))
+    return out
+
+
+def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions: int):
+    """vLLM's `SamplingParams` for one request (output as deltas; max_tokens within the context)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = req.sampling
+    max_tokens = max(1, min(s.max_tokens, max_positions - len(req.prompt_ids)))
+    return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
+                          top_k=s.top_k, seed=s.seed, stop=list(s.stop),
+                          stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, extra_args=extra,
+                          logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA)
