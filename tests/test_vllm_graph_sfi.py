@@ -281,3 +281,49 @@ def test_step_plans_a_compacted_request_in_physical_terms(setup):
     assert (st.refresh_n, st.refresh_hi, st.refresh_lo) == (142, 262, 262 - cfg.obs_window)
     assert torch.equal(st.refresh_pos, ev.positions(est, 142))
     assert torch.equal(st.refresh_blocks, blocks)
+
+
+def test_a_context_too_short_to_skip_decodes_densely_then_selects(setup):
+    """While a request's context is at most sinks + k + recent entries a fast step would read them
+    all: its steps are dense (mode 0, FlashAttention over the whole history, no refresh) and its
+    query rows still fill the ring; the first step past that length is slow and selects. A batch
+    with no SFI request writes nothing but FlashAttention's lengths."""
+    from cotserve.vllm.requests import RowRequest
+
+    gen, caches, cfg, g = setup
+    limit = cfg.sinks + cfg.k + cfg.recent  # 44
+    prompt = 30
+    req = RowRequest(prompt_ids=list(range(prompt)), output_ids=[], sfi=cfg)
+    g.rows.rows[0] = req
+    blocks = torch.randperm(NB, generator=gen)[:8].to(torch.int32)
+
+    def step(ntok: int, length: int):
+        cm = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, ntok]),
+                             block_table_tensor=blocks.view(1, -1), seq_lens=torch.tensor([length], dtype=torch.int32))
+        g.refresh_due(cm, BS)
+        return g.step(cm, BS)
+
+    step(prompt, prompt)  # the prompt in one chunk: too short for a bootstrap selection
+    st = req.state
+    assert st.refresh_n == 0 and int(g.row_mode[0]) == 0
+    modes = []
+    for n in range(prompt + 1, limit + 3):
+        req.output_ids.append(5)
+        fa = step(1, n)
+        modes.append(int(g.row_mode[0]))
+        if n <= limit:
+            assert int(fa[0]) == n and st.refresh_n == 0  # dense: the whole history, nothing refreshed
+    assert modes[: limit - prompt] == [0] * (limit - prompt)
+    assert modes[limit - prompt] == 2  # the first step past the length: slow, it selects
+    # the selection ran at the next step's build, over the ring's rows of the dense steps; then SFI reads sparsely
+    assert modes[limit - prompt + 1] in (1, 2) and st.k_eff == cfg.k and st.refresh_lo == limit + 1 - cfg.obs_window
+    assert st.short_steps == limit - prompt and g.telemetry(st)["sfi_short_dense_steps"] == limit - prompt
+    assert all(p >= 0 for p in st.ring_pos)  # the dense steps' query rows are in the ring
+
+    g.rows.rows.clear()  # an all-dense batch: nothing of SFI to plan
+    g.step(SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, 1]), block_table_tensor=blocks.view(1, -1),
+                           seq_lens=torch.tensor([9], dtype=torch.int32)), BS)
+    g.row_mode.fill_(7)  # were the row tensors rewritten, this would be undone
+    fa = g.step(SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, 1]),
+                                block_table_tensor=blocks.view(1, -1), seq_lens=torch.tensor([10], dtype=torch.int32)), BS)
+    assert int(fa[0]) == 10 and int(g.row_mode[0]) == 7

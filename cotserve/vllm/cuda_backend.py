@@ -29,6 +29,7 @@ import logging
 import os
 import re
 
+import torch
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -74,8 +75,8 @@ def _evict_runtime(vllm_config, device):
     from cotserve.vllm import runtime_access
 
     slots = int(os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", vllm_config.scheduler_config.max_num_seqs))
-    if slots <= 0:
-        return None
+    if slots <= 0 or "EvictingScheduler" not in str(vllm_config.scheduler_config.scheduler_cls or ""):
+        return None  # left out, or no eviction served (asynchronous scheduling or prefix caching on)
     return runtime_access.evict_for(vllm_config, device, force=True, slots=slots)
 
 
@@ -117,6 +118,9 @@ class CotserveFlashImpl(FlashAttentionImpl):
         if attn_metadata is None or _RUNTIME is None:
             return out
         rt = _RUNTIME
+        ev = evict_current()
+        if not rt.any_sfi and ev is None and not torch.cuda.is_current_stream_capturing():
+            return out  # an eager step with no cotserve policy in it: vLLM's attention alone
         li = int(_LAYER.search(layer.layer_name).group(1))
         t = query.shape[0]
         q = query.view(t, self.num_heads, self.head_size)
@@ -124,7 +128,6 @@ class CotserveFlashImpl(FlashAttentionImpl):
         rt.write_ring(li, q)
         kc, vc = split_kv(kv_cache, self.head_size)
         rows = min(t, rt.max_rows, attn_metadata.block_table.shape[0])
-        ev = evict_current()
         if ev is not None:
             ev.record(li, q)
             ev.accumulate(li, q, kv_cache, attn_metadata.block_table, key_cache=kc,  # h2o: `kernels.h2o_paged`

@@ -85,6 +85,13 @@ class GraphSFI(PagedSFI):
         for gone in self.rows.take_released():
             self._release(gone)
         n_reqs = cm.num_reqs
+        if not self.any_sfi and not any(r.sfi is not None for r in self.rows.rows.values()):
+            # no SFI request in this step nor the last: the row tensors already say "all dense" (and
+            # the ring writes go to the scratch slot), so only FlashAttention's lengths are written
+            fa = self.fa_lens[: cm.seq_lens.shape[0]]
+            fa.copy_(cm.seq_lens, non_blocking=True)
+            self.extra_writes = []
+            return fa
         # fresh (pageable) host tensors each step: their copies are staged at once, so a CPU that
         # runs ahead of the GPU (async scheduling) never overwrites a pending transfer
         host = torch.zeros(5, self.max_rows, dtype=torch.int32)
@@ -123,16 +130,34 @@ class GraphSFI(PagedSFI):
                     else:
                         self.extra_writes.append(entry)
                     st.ring_pos[p % w] = p
-                if new_len == st.prompt_len:  # the bootstrap: the prompt's last prefill_window rows
+                if new_len == st.prompt_len and phys > st.cfg.sinks + st.cfg.k + st.cfg.recent:
+                    # the bootstrap: the prompt's last prefill_window rows (a shorter prompt decodes
+                    # densely until its context is long enough to skip entries, then selects)
                     st.refresh_n, st.refresh_lo, st.refresh_hi = phys, new_len - st.cfg.prefill_window, new_len
                     self._refresh_terms(st, est, evict, cm, i, phys)
+                continue
+            pos = new_len - 1
+            ws = max(0, phys - st.cfg.recent)
+            if phys <= st.cfg.sinks + st.cfg.k + st.cfg.recent:
+                # too short to skip anything (a fast step would read as many entries): a dense step,
+                # no refresh; the query row still goes to the ring for the first selection
+                st.steps += 1
+                st.short_steps += 1
+                st.short = True
+                st.retained_sum += 1.0
+                self._ring_entry(whost, (tok, st.slot, pos % w), nwrite)
+                nwrite += 1
+                st.ring_pos[pos % w] = pos
+                host[:, i] = torch.tensor((0, st.slot, tok, ws, phys), dtype=torch.int32)
                 continue
             seq_prev = req.output_ids[-2] if len(req.output_ids) >= 2 else (
                 req.prompt_ids[-1] if req.prompt_ids else -1)
             slow = st.trigger.step(st.steps, seq_prev in self.boundaries)
+            if st.short and st.short_steps:  # the first step past that length selects
+                slow = True
+                st.trigger.reset(st.steps)
+            st.short = False
             st.steps += 1
-            pos = new_len - 1
-            ws = max(0, phys - st.cfg.recent)
             if est is not None and est.pos is not None:
                 cuts.append((i, self._cutoff(est, ws, phys)))
             if nwrite < self.nw:
@@ -166,6 +191,12 @@ class GraphSFI(PagedSFI):
         fa = self.fa_lens[:n]
         torch.where(self.row_mode[:n] == 1, torch.ones_like(lens), lens, out=fa)
         return fa
+
+    def _ring_entry(self, whost: torch.Tensor, entry: tuple[int, int, int], nwrite: int) -> None:
+        if nwrite < self.nw:
+            whost[:, nwrite] = torch.tensor(entry)
+        else:
+            self.extra_writes.append(entry)
 
     def _refresh_terms(self, st: SlotState, est, evict, cm, row: int, phys: int) -> None:
         """A refresh due for an evicting request reads the cache as this step leaves it: keep its

@@ -60,7 +60,8 @@ def sfi_telemetry(st) -> dict[str, float | int]:
     return {"sfi_steps": n, "sfi_slow_steps": st.slow_steps,
             "sfi_slow_step_ratio": round(st.slow_steps / n, 4) if n else 0.0,
             "sfi_retained_ratio": round(st.retained_sum / n, 4) if n else 1.0,
-            "sfi_selected_per_head": st.k_eff}
+            "sfi_selected_per_head": st.k_eff, **({"sfi_short_dense_steps": st.short_steps}
+                                                  if getattr(st, "short_steps", 0) else {})}
 
 
 W_MAX = 32  # obs_window at most
@@ -85,6 +86,8 @@ class SlotState:
     refresh_pos: torch.Tensor | None = None
     refresh_blocks: torch.Tensor | None = None
     k_eff: int = 0
+    short_steps: int = 0  # decode steps taken densely while the context was too short to skip anything
+    short: bool = True  # the last step was such a step (the first one past the length is slow)
 
 
 class PagedSFI:
