@@ -161,7 +161,7 @@ def test_sixteen_concurrent_sampled_requests_finish(engine):
     jobs = []
     for i in range(16):
         job = Job(prompt_ids=ids, sampling={"max_tokens": 12, "temperature": 0.8, "seed": 1000 + i,
-                                            "seed_drawn": True})
+                                            "seed_drawn": True, "ignore_eos": True})
         asyncio.run(q.submit(job, 64))
         jobs.append(job)
     mine = Job(prompt_ids=ids[:50], sampling={"max_tokens": 4, "temperature": 0.8, "seed": 7})

@@ -71,7 +71,10 @@ class PromptBuilder:
         if max_model_len is not None:
             if max_model_len < 2:
                 raise CotserveError("--max-model-len must be at least 2")
-            ctx = min(ctx, max_model_len)
+            if max_model_len > ctx:  # as vLLM refuses it: positions the model was not trained on
+                raise CotserveError(f"--max-model-len {max_model_len} is beyond the model's {ctx} positions "
+                                    "(max_position_embeddings)")
+            ctx = max_model_len
         return cls(AutoTokenizer.from_pretrained(str(path)), ctx, str(path))
 
     def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -137,15 +140,23 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.get("/health", tags=["ops"])
+    app.state.worker_alive = None  # `cotserve serve` without Redis: whether its worker thread still runs
+
+    @app.get("/health", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def health() -> dict[str, str]:
-        """The process is alive."""
+        """The process is alive (and, without Redis, so is its worker thread)."""
+        alive = app.state.worker_alive
+        if alive is not None and not alive():
+            raise APIError(503, "the worker thread stopped; the server log says why", code="worker_dead")
         return {"status": "ok"}
 
     @app.get("/ready", tags=["ops"], responses={503: {"model": ErrorResponse}})
     async def ready():
         """A worker has its engine loaded and the queue answers."""
         ok, why, stats = await relay.readiness()
+        alive = app.state.worker_alive
+        if ok and alive is not None and not alive():
+            ok, why = False, "the worker thread stopped; the server log says why"
         if not ok:
             raise APIError(503, why, code="not_ready", headers={"Retry-After": "1"})
         return {"status": "ready", **stats}

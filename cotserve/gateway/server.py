@@ -9,6 +9,8 @@ processes (`cotserve/worker/main.py`), as many as wanted, do the decoding.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,7 @@ class ServeArgs:
     max_body_bytes: int = 4 * 1024 * 1024
     keepalive_s: float = 15.0
     queue_outage_s: float = 30.0
+    drain_s: float = 120.0  # on SIGTERM: seconds running requests get to finish
     log_level: str = "info"
 
 
@@ -72,6 +75,9 @@ def gateway_settings(args: ServeArgs, engine_args: EngineArgs, prompts, keys: li
 
 
 def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
+    """Serve until SIGTERM or SIGINT: then drain (streams get `drain_s` seconds), stop the
+    worker and close its engine, and end every process the server started. A worker that cannot
+    load its engine (or restart it after it died) ends the server with that reason."""
     import uvicorn
 
     from cotserve.gateway.app import PromptBuilder, create_app
@@ -88,8 +94,58 @@ def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
     if args.redis_url:
         check_redis(queue, args.redis_url)
     app = create_app(settings, queue, prompts)
-    if not args.redis_url:
-        start_worker_thread(engine_args, queue)
     # log_config=None: uvicorn's records go through the handler cotserve.logconfig installed
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           log_config=None, timeout_graceful_shutdown=args.drain_s))
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        server.should_exit = True
+
+    embedded = None
+    if not args.redis_url:
+        embedded = start_worker_thread(engine_args, queue, on_fatal=on_fatal)
+        app.state.worker_alive = lambda: embedded.alive
+    # uvicorn re-raises the signal that stopped it once it is done; with these handlers in place
+    # that lands here, and the worker, its engine and their processes are stopped below first
+    previous = _quiet_signals()
+    try:
+        server.run()
+    finally:
+        if embedded is not None:
+            embedded.close(timeout=10.0)
+        end_children(5.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if fatal:
+        raise CotserveError(fatal[0])
+
+
+def _quiet_signals() -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def end_children(grace_s: float) -> None:
+    """Terminate the processes this one started that are still alive (vLLM's engine and workers
+    when its own shutdown did not end them), then kill those that outlive `grace_s`."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for c in children:
+        try:
+            c.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for c in alive:
+        log.warning("process %d outlived the shutdown; killing it", c.pid)
+        try:
+            c.kill()
+        except psutil.Error:
+            pass

@@ -209,6 +209,10 @@ class JobQueue(abc.ABC):
     def renew(self, worker_id: str, job_ids: list[str], ttl: float) -> None:  # noqa: B027 - optional
         """Extend the leases of jobs this worker runs by `ttl` seconds (queues with leases)."""
 
+    def live_workers(self) -> list[str]:
+        """Ids of the workers whose heartbeat is current (a dying worker hands its jobs to these)."""
+        return []
+
     @abc.abstractmethod
     def leave(self, worker_id: str) -> None:
         """A worker stops cleanly: its heartbeat goes, its unfinished jobs return to pending."""

@@ -155,6 +155,11 @@ class InProcessQueue(JobQueue):
             dead = {w for w, t in self._hb.items() if t <= now}
             return self._requeue(dead)
 
+    def live_workers(self) -> list[str]:
+        with self._lock:
+            now = time.time()
+            return sorted(w for w, t in self._hb.items() if t > now)
+
     def leave(self, worker_id: str) -> None:
         with self._lock:
             self._hb.pop(worker_id, None)

@@ -371,6 +371,14 @@ class RedisQueue(JobQueue):
         return out
 
     @_sync_errors
+    def live_workers(self) -> list[str]:
+        workers = sorted(self.r.smembers(self.k("workers")))
+        pipe = self.r.pipeline(transaction=False)
+        for w in workers:
+            pipe.exists(self.k("hb", w))
+        return [w for w, alive in zip(workers, pipe.execute(), strict=True) if alive]
+
+    @_sync_errors
     def leave(self, worker_id: str) -> None:
         self._scripts["reap"](args=[self.prefix, worker_id, self.result_ttl, "1"])
 

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.engine.native import Completion, Delta, GenRequest
-from cotserve.errors import ModelError, PolicyError, RequestError
+from cotserve.errors import EngineDead, ModelError, PolicyError, RequestError
 from cotserve.policies.base import PolicyStack
+from cotserve.vllm.failures import is_engine_dead
 from cotserve.vllm.kv_capacity import KVCapacity
 from cotserve.vllm.params import policy_extra_args, sampling_params, worker_logprobs
 from cotserve.vllm.requests import request_policy_of
@@ -91,6 +92,20 @@ def parse_vllm_args(pairs: list[str] | None) -> dict[str, Any]:
         except ValueError:
             out[key] = raw
     return out
+
+
+def _reason(exc: Exception) -> str:
+    """One line for a refusal: pydantic's first error as `field: message`, else the first line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+            loc = ".".join(str(p) for p in first.get("loc", ()))
+            return f"{loc}: {first.get('msg', '')}" if loc else str(first.get("msg", ""))
+        except Exception:
+            pass
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 class VLLMEngine:
@@ -161,8 +176,7 @@ class VLLMEngine:
         try:
             cfg = AsyncEngineArgs(**kwargs).create_engine_config(UsageContext.OPENAI_API_SERVER)
         except Exception as exc:  # vLLM's own validation (ValueError, pydantic's ValidationError, ...)
-            first = str(exc).strip().splitlines()
-            raise ModelError(f"vLLM refused its arguments: {first[0] if first else type(exc).__name__}") from None
+            raise ModelError(f"vLLM refused its arguments: {_reason(exc)}") from None
         sc = cfg.scheduler_config
         if not sc.async_scheduling and not cfg.cache_config.enable_prefix_caching \
                 and getattr(cfg, "speculative_config", None) is None:
@@ -282,6 +296,8 @@ class VLLMEngine:
                 continue
             if isinstance(item, Exception):
                 pending.discard(rid)
+                if is_engine_dead(item) or self.dead:
+                    raise EngineDead(f"vLLM's engine died ({type(item).__name__})") from item
                 raise RuntimeError(f"vLLM failed on request {rid}: {item}") from item
             o = item.outputs[0]
             if item.finished and getattr(item, "kv_transfer_params", None):
@@ -326,6 +342,12 @@ class VLLMEngine:
         """Free KV capacity in tokens as of vLLM's last step (None: unknown); the worker claims
         groups within it (`Worker.claim_group`)."""
         return self.kv.free_tokens()
+
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine can serve nothing more (its engine process died or its output loop
+        failed): the worker restarts the engine."""
+        return bool(self.llm.errored)
 
     def close(self) -> None:
         try:

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cotserve.engine.native import Completion, Delta, GenRequest
+from cotserve.errors import EngineDead
 from cotserve.policies.base import PolicyStack
+from cotserve.vllm.failures import is_engine_dead
 from cotserve.vllm.params import policy_extra_args, worker_logprobs
 
 if TYPE_CHECKING:
@@ -78,6 +80,8 @@ class VLLMPool:
         return max(0, free - pending)
 
     def submit(self, req: GenRequest, stack: PolicyStack, need: int = 0) -> None:
+        if self.engine.dead:
+            raise EngineDead("vLLM's engine is dead")
         self.engine.check_request(req)
         extra = policy_extra_args(stack)
         params = self.engine._params(req, extra)
@@ -107,6 +111,9 @@ class VLLMPool:
                 items.append(self._out.get_nowait())
             except queue.Empty:
                 break
+        dead = next((item for _, item in items if isinstance(item, BaseException) and is_engine_dead(item)), None)
+        if dead is not None or (self.engine.dead and any(isinstance(item, BaseException) for _, item in items)):
+            raise EngineDead(f"vLLM's engine died ({type(dead).__name__ if dead else 'errored'})")
         order: list[str] = []
         new: dict[str, tuple[list[int], list[str], list | None]] = {}
         ended: dict[str, Delta] = {}

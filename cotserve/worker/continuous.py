@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.engine.continuous import ContinuousEngine
 from cotserve.engine.native import Delta, NativeEngine
-from cotserve.errors import CotserveError, RequestError
+from cotserve.errors import CotserveError, EngineDead, RequestError
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue, kv_need
 from cotserve.worker.events import Resume, delta_event, diverged_error, done_event
@@ -55,10 +56,11 @@ class ContinuousWorker(Worker):
     def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
                  poll_s: float = 0.01, cancel_poll_s: float = 0.05, prefill_chunk: int = 256,
-                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None, pool_len: int = 4096):
+                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None, pool_len: int = 4096,
+                 restart: Callable[[], Any] | None = None, restarts: int = 3, restart_backoff_s: float = 1.0):
         super().__init__(engine, queue, worker_id=worker_id, max_batch=max_batch, max_wait=max_wait,
                          heartbeat_s=heartbeat_s, poll_s=poll_s, cancel_poll_s=cancel_poll_s, stats_s=stats_s,
-                         metrics=metrics)
+                         metrics=metrics, restart=restart, restarts=restarts, restart_backoff_s=restart_backoff_s)
         self.prefill_chunk = prefill_chunk
         self.pool_len = pool_len
         self.pool = self._new_pool()
@@ -102,8 +104,12 @@ class ContinuousWorker(Worker):
         if go:
             jobs = self.queue.claim(self.worker_id, free, self.max_wait if self.pool.idle else 0.0,
                                     max_tokens=budget)
-            for job in jobs:
-                self._start(job)
+            for i, job in enumerate(jobs):
+                try:
+                    self._start(job)
+                except EngineDead:
+                    self._lose_engine(jobs[i:])
+                    return len(jobs)
             claimed = len(jobs)
         self._running = set(self._jobs)  # the heartbeat renews these jobs' leases
         if self.pool.idle:
@@ -111,19 +117,49 @@ class ContinuousWorker(Worker):
         self._poll_cancelled()
         try:
             deltas = self.pool.step()
-        except Exception as exc:  # never let one bad step kill the worker: fail what was running
-            log.exception("engine step failed")
-            for jid in list(self._jobs):
-                run = self._jobs.pop(jid)
-                self._error(run.job, 500, "server_error", f"the worker failed on this batch: {type(exc).__name__}: {exc}")
-            self._seq.clear()
-            self._last_token_at.clear()
-            self._running = set()
-            self.pool = self._new_pool()
+        except Exception as exc:
+            if self.engine_is_dead(exc):
+                self._lose_engine()
+            else:  # never let one bad step kill the worker or fail the requests beside the bad one
+                log.exception("an engine step of %d request(s) failed; running them one by one", len(self._jobs))
+                self._run_alone([run.job for run in self._jobs.values()])
             return claimed + 1
         self._publish_deltas(deltas)
         self._running = set(self._jobs)
         return claimed + 1
+
+    def _drop_all(self) -> list[Job]:
+        """Forget every running job (the pool is replaced); returns them."""
+        jobs = [run.job for run in self._jobs.values()]
+        self._jobs.clear()
+        self._seq.clear()
+        self._last_token_at.clear()
+        self._running = set()
+        return jobs
+
+    def _run_alone(self, jobs: list[Job]) -> None:
+        """After a failed step: a new pool, and each job of the old one run again on its own (the
+        static path, resuming after what its stream already has), so only the job that fails alone
+        gets the error."""
+        self._drop_all()
+        self.pool = self._new_pool()
+        for i, job in enumerate(jobs):
+            self._running = {job.id}
+            try:
+                self._run_guarded([job], alone=True)
+            except EngineDead:
+                self._engine_died(jobs[i:])
+                return
+            finally:
+                self._running = set()
+            self.jobs_done += 1
+
+    def _lose_engine(self, unstarted: list[Job] | None = None) -> None:
+        jobs = {j.id: j for j in self._drop_all() + list(unstarted or [])}
+        self._engine_died(list(jobs.values()))
+
+    def _engine_restarted(self) -> None:
+        self.pool = self._new_pool()
 
     # -- intake ----------------------------------------------------------------------------
     def _start(self, job: Job) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cotserve.errors import CotserveError
+from cotserve.errors import CotserveError, ModelError, redact_paths
 
 log = logging.getLogger("cotserve.worker")
 
@@ -35,7 +36,20 @@ class EngineArgs:
 
 
 def make_engine(engine_args: EngineArgs):
-    """The worker's engine: cotserve's native engine, or vLLM with the cotserve plugin."""
+    """The worker's engine: cotserve's native engine, or vLLM with the cotserve plugin. Any failure
+    to start is a CotserveError with a one-line reason (the server log has the rest)."""
+    try:
+        return _make_engine(engine_args)
+    except CotserveError:
+        raise
+    except Exception as exc:
+        log.debug("the engine did not start", exc_info=True)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelError(f"the {engine_args.engine} engine did not start: {type(exc).__name__}"
+                         + (f": {redact_paths(first)}" if first else "")) from exc
+
+
+def _make_engine(engine_args: EngineArgs):
     if engine_args.engine == "vllm":
         from cotserve.vllm.engine import VLLMEngine, VLLMOptions
 
@@ -50,23 +64,82 @@ def make_engine(engine_args: EngineArgs):
                         max_batch=engine_args.max_batch or 8)
 
 
-def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedded") -> threading.Thread:
-    """Load the model and serve `queue` from a daemon thread (the embedded default)."""
+class EmbeddedWorker:
+    """The worker thread of `cotserve serve` without Redis: loads the engine, serves the queue,
+    restarts the engine when it dies. `error` is set (and `on_fatal` called) when the engine cannot
+    load or be restarted; `close` stops the worker and the engine's processes."""
 
-    def run() -> None:
+    def __init__(self, engine_args: EngineArgs, queue, worker_id: str = "embedded",
+                 on_fatal: Callable[[str], None] | None = None):
+        self.engine_args = engine_args
+        self.queue = queue
+        self.worker_id = worker_id
+        self.on_fatal = on_fatal
+        self.worker = None
+        self.error: str | None = None
+        self._stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cotserve-worker", daemon=True)
+
+    def start(self) -> EmbeddedWorker:
+        self.thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and self.error is None
+
+    def _run(self) -> None:
         from cotserve.worker.continuous import make_worker
 
         try:
-            engine = make_engine(engine_args)
+            engine = make_engine(self.engine_args)
+            if self._stopping.is_set():  # shut down while it loaded
+                _close(engine)
+                return
+            self.worker = make_worker(engine, self.queue, self.engine_args.scheduler, self.engine_args.prefill_chunk,
+                                      pool_len=self.engine_args.pool_len, worker_id=self.worker_id,
+                                      max_batch=self.engine_args.max_batch, max_wait=self.engine_args.max_wait,
+                                      restart=lambda: make_engine(self.engine_args))
+            if self._stopping.is_set():
+                _close(engine)
+                return
+            self.worker.run()
         except CotserveError as exc:
-            log.error("the worker cannot load its model: %s", exc)
-            return
-        make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, pool_len=engine_args.pool_len, worker_id=worker_id,
-                    max_batch=engine_args.max_batch, max_wait=engine_args.max_wait).run()
+            self._fatal(str(exc))
+        except Exception as exc:
+            log.exception("the worker stopped")
+            self._fatal(f"the worker stopped: {type(exc).__name__}: {redact_paths(str(exc))}")
 
-    t = threading.Thread(target=run, name="cotserve-worker", daemon=True)
-    t.start()
-    return t
+    def _fatal(self, reason: str) -> None:
+        self.error = reason
+        log.error("%s", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop claiming, let the worker loop end (up to `timeout`), close the engine."""
+        self._stopping.set()
+        w = self.worker
+        if w is not None:
+            w.stop()
+            self.thread.join(timeout)
+            _close(w.engine)
+
+
+def _close(engine) -> None:
+    close = getattr(engine, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception:
+        log.warning("closing the engine failed", exc_info=True)
+
+
+def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedded",
+                        on_fatal: Callable[[str], None] | None = None) -> EmbeddedWorker:
+    """Load the model and serve `queue` from a daemon thread (the embedded default)."""
+    return EmbeddedWorker(engine_args, queue, worker_id, on_fatal).start()
 
 
 def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_id: str | None = None,
@@ -94,12 +167,16 @@ def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_
         engine = make_engine(engine_args)
         worker = make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, pool_len=engine_args.pool_len, worker_id=worker_id,
                              max_batch=engine_args.max_batch, max_wait=engine_args.max_wait,
-                             heartbeat_s=heartbeat_s, stats_s=stats_s, metrics=metrics)
+                             heartbeat_s=heartbeat_s, stats_s=stats_s, metrics=metrics,
+                             restart=lambda: make_engine(engine_args))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: worker.stop())
         log.info("worker %s serving %s from %s (prefix %r, %s scheduler)", worker.worker_id, engine_args.model,
                  redis_url, key_prefix, worker.scheduler)
-        worker.run()
+        try:
+            worker.run()
+        finally:
+            _close(worker.engine)
     finally:
         if server is not None:
             server.shutdown()

@@ -55,6 +55,8 @@ class WorkerMetrics:
         self.ratios = Histogram("cotserve_worker_policy_ratio", "Per-request ratios a policy reports (retained, "
                                 "slow-step, skip, padding)", ["worker_id", "policy", "key"], registry=r,
                                 buckets=RATIO_BUCKETS)
+        self.engine_failures = Counter("cotserve_worker_engine_failures", "Times the worker's engine died (each "
+                                       "followed by a restart or the worker's exit)", w, registry=r).labels(worker_id)
         self._itl = self.itl.labels(worker_id)
         self._generated = self.generated_tokens.labels(worker_id)
 

@@ -27,11 +27,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
-from cotserve.errors import CotserveError, PolicyError, RequestError, redact_paths
+from cotserve.errors import CotserveError, EngineDead, PolicyError, RequestError, redact_paths
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue, QueueUnavailable
 from cotserve.worker.events import (
@@ -50,6 +51,9 @@ request_log = logging.getLogger("cotserve.requests")
 
 # A worker whose heartbeat is this many periods old counts as dead (room for a busy, shared machine).
 HEARTBEAT_MISSES = 5
+# A job that was running on this many engines that died is failed, not handed on again (a request
+# that kills every engine it reaches must not take down one worker after another).
+MAX_ENGINE_ATTEMPTS = 2
 
 
 class Worker:
@@ -58,8 +62,17 @@ class Worker:
     def __init__(self, engine: NativeEngine, queue: JobQueue, worker_id: str | None = None,
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
                  poll_s: float = 0.01, cancel_poll_s: float = 0.05, outage_s: float = 30.0,
-                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None):
+                 stats_s: float = 10.0, metrics: WorkerMetrics | None = None,
+                 restart: Callable[[], Any] | None = None, restarts: int = 3, restart_backoff_s: float = 1.0):
         self.engine = engine
+        # after the engine died: a new one from `restart()`, at most `restarts` tries, waiting
+        # restart_backoff_s, then twice that, ...; without `restart` (or when every try fails) the
+        # worker stops and `run` raises EngineDead
+        self.restart = restart
+        self.restarts = restarts
+        self.restart_backoff_s = restart_backoff_s
+        self.engine_restarts = 0
+        self._paused = False  # no heartbeat while the engine is dead (readiness stops counting this worker)
         self.queue = queue
         self.worker_id = worker_id or default_worker_id()
         self.max_batch = max_batch or engine.max_batch
@@ -114,6 +127,8 @@ class Worker:
             while not self.stop_event.is_set():
                 try:
                     busy = self.run_once()
+                except EngineDead:
+                    raise
                 except QueueUnavailable as exc:  # Redis went away: keep trying, do not die
                     self._queue_failed_at = time.time()
                     log.warning("queue unreachable (%s); retrying", exc)
@@ -137,6 +152,8 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         while not self.stop_event.wait(self.heartbeat_s):
+            if self._paused:
+                continue
             try:
                 self.queue.heartbeat(self.worker_id, self.lease_s)
                 self.queue.renew(self.worker_id, sorted(self._running), self.lease_s)
@@ -184,6 +201,8 @@ class Worker:
             self._running = {j.id for j in jobs}
             try:
                 self.run_group(jobs)
+            except EngineDead:
+                self._engine_died(jobs)
             finally:
                 self._running = set()
                 self._stream_len.clear()
@@ -266,6 +285,8 @@ class Worker:
             for j in group:
                 self._error(j, status, code, redact_paths(str(exc)))
         except Exception as exc:  # never let one bad batch kill the worker
+            if self.engine_is_dead(exc):
+                raise EngineDead(f"the engine died: {type(exc).__name__}") from exc
             if len(group) > 1 and not alone:
                 log.exception("a batch of %d failed; running its requests one by one", len(group))
                 for j in group:
@@ -275,6 +296,86 @@ class Worker:
             for j in group:
                 self._error(j, 500, "server_error",
                             f"the worker failed on this request ({type(exc).__name__}); the server log has the details")
+
+    # -- engine death --------------------------------------------------------------------
+    def engine_is_dead(self, exc: BaseException | None = None) -> bool:
+        """Whether the engine can serve nothing more (vLLM's engine process died), as opposed to one
+        request or batch failing."""
+        if isinstance(exc, EngineDead):
+            return True
+        try:
+            return bool(getattr(self.engine, "dead", False))
+        except Exception:
+            return True
+
+    def _engine_died(self, jobs: list[Job]) -> None:
+        """The engine died with `jobs` claimed. This worker stops heart-beating at once (readiness
+        no longer counts it); each job goes back to the queue when another worker is alive to
+        resume its stream (and it has not already been on a dying engine), else it ends with a
+        503 error event; then the engine is restarted (`restart`, bounded tries with backoff).
+        Raises EngineDead when it cannot be, so the process exits non-zero for its supervisor."""
+        self._paused = True
+        self.metrics.engine_failures.inc()
+        try:
+            others = [w for w in self.queue.live_workers() if w != self.worker_id]
+        except Exception:  # the queue is unreachable too: its leases bring the jobs back later
+            others = []
+        handed = 0
+        for job in jobs:
+            if others and job.attempts < MAX_ENGINE_ATTEMPTS:
+                handed += 1
+                continue
+            try:
+                self._error(job, 503, "engine_failed", "the engine serving this request stopped; the server is "
+                            "restarting it: retry the request")
+            except Exception:
+                log.warning("could not fail request %s", job.id, exc_info=True)
+        log.error("the engine died with %d request(s) running: %d handed to other workers, %d failed", len(jobs),
+                  handed, len(jobs) - handed)
+        try:
+            self.queue.leave(self.worker_id)  # requeues what is still claimed; the heartbeat goes
+        except Exception:
+            log.warning("could not hand back the jobs (their leases expire instead)", exc_info=True)
+        self._running = set()
+        self._stream_len.clear()
+        self._last_token_at.clear()
+        self._close_engine()
+        if self.restart is None:
+            raise EngineDead("the engine died")
+        for attempt in range(1, self.restarts + 1):
+            delay = self.restart_backoff_s * 2 ** (attempt - 1)
+            log.warning("restarting the engine in %.1f s (try %d of %d)", delay, attempt, self.restarts)
+            if self.stop_event.wait(delay):
+                return
+            try:
+                self.engine = self.restart()
+            except Exception as exc:
+                log.error("engine restart %d of %d failed: %s", attempt, self.restarts, redact_paths(str(exc)))
+                continue
+            self.engine_restarts += 1
+            self._engine_restarted()
+            self._paused = False
+            self._q(self.queue.heartbeat, self.worker_id, self.lease_s)
+            log.warning("engine restarted; worker %s serving again", self.worker_id)
+            return
+        raise EngineDead(f"the engine died and {self.restarts} restarts failed")
+
+    def _close_engine(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:
+            log.warning("closing the dead engine failed", exc_info=True)
+
+    def _engine_restarted(self) -> None:
+        """Hook: the engine was replaced (the continuous worker opens a new pool on it)."""
+
+    def close(self) -> None:
+        """Stop serving and close the engine (its processes end)."""
+        self.stop()
+        self._close_engine()
 
     def _intake(self, job: Job, n: int, resume_all: bool = False) -> tuple[bool, Resume | None]:
         """The checks a claimed job passes before it runs, for both schedulers: its queue deadline
