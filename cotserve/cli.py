@@ -302,6 +302,11 @@ VLLMArgOpt = Annotated[list[str] | None, typer.Option("--vllm-arg", help="vllm: 
                                                       "parses), checked against vLLM's AsyncEngineArgs.")]
 
 
+def _check_engine(engine: str) -> None:
+    if engine not in ("native", "vllm"):
+        raise CotserveError(f"--engine must be native or vllm, not {engine!r}")
+
+
 def _check_scheduler(scheduler: str, prefill_chunk: int, pool_len: int = 4096) -> None:
     if scheduler not in ("continuous", "static"):
         raise CotserveError(f"--scheduler must be continuous or static, not {scheduler!r}")
@@ -397,6 +402,9 @@ def serve(
                                              "for tokens.")] = 15.0,
     queue_outage: Annotated[float, typer.Option(help="Seconds in-flight requests ride out an unreachable Redis "
                                                 "(retrying with backoff) before they fail with 503.")] = 30.0,
+    drain_timeout: Annotated[float, typer.Option(help="On SIGTERM or Ctrl-C: seconds running requests get to "
+                                                 "finish (new ones are refused) before the server stops; chains of "
+                                                 "thought can run for minutes.")] = 120.0,
     threads: ThreadsOpt = None,
     log_level: Annotated[str | None, typer.Option(help="The global --log-level, given after the command.")] = None,
     device: DeviceOpt = "auto",
@@ -425,11 +433,12 @@ def serve(
 
         if max_queue < 1:
             raise CotserveError("--max-queue must be at least 1")
+        _check_engine(engine)
         _check_scheduler(scheduler, prefill_chunk, pool_len)
         max_batch = _max_batch(max_batch, scheduler, engine)
-        if max_body_bytes < 1024 or keepalive <= 0 or queue_timeout < 0 or queue_outage < 0:
-            raise CotserveError("--max-body-bytes must be at least 1024, --keepalive positive, --queue-timeout and "
-                                "--queue-outage at least 0")
+        if max_body_bytes < 1024 or keepalive <= 0 or queue_timeout < 0 or queue_outage < 0 or drain_timeout < 0:
+            raise CotserveError("--max-body-bytes must be at least 1024, --keepalive positive, --queue-timeout, "
+                                "--queue-outage and --drain-timeout at least 0")
         if log_level is not None:
             try:
                 logconfig.configure(log_level, logconfig.current()[1])
@@ -440,7 +449,7 @@ def serve(
                          max_pending=max_queue, default_max_tokens=default_max_tokens,
                          default_temperature=default_temperature, served_model_name=served_model_name,
                          queue_timeout=queue_timeout or None, max_body_bytes=max_body_bytes, keepalive_s=keepalive,
-                         queue_outage_s=queue_outage, log_level=logconfig.current()[0], generation_config=generation_config,
+                         queue_outage_s=queue_outage, drain_s=drain_timeout, log_level=logconfig.current()[0], generation_config=generation_config,
                          max_model_len=max_model_len, tool_call_parser=tool_call_parser,
                          reasoning_parser=reasoning_parser)
         _check_scheduler(scheduler, prefill_chunk, pool_len)
@@ -496,6 +505,7 @@ def worker(
     try:
         from cotserve.worker.main import EngineArgs, run_worker
 
+        _check_engine(engine)
         _check_scheduler(scheduler, prefill_chunk, pool_len)
         max_batch = _max_batch(max_batch, scheduler, engine)
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
