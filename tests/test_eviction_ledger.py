@@ -81,3 +81,20 @@ def test_request_policies_the_vllm_engine_accepts():
         pol = request_policy_of({"cotserve": {"policy": "skipkv+sfi", "options": {"sfi.dense_heads": 0}}},
                                 platform=platform)
         assert pol.evict.name == "skipkv" and pol.sfi is not None
+
+
+def test_the_flat_request_form_of_a_plain_vllm_serve():
+    """vLLM's `vllm_xargs` carry only strings, numbers and lists: `cotserve_policy` plus
+    `cotserve.<option>` keys give the same policy as the nested form."""
+    flat = request_policy_of({"cotserve_policy": "skipkv+sfi", "cotserve.sfi.k": 96, "cotserve.budget": 256})
+    nested = request_policy_of({"cotserve": {"policy": "skipkv+sfi", "options": {"sfi.k": 96, "budget": 256}}})
+    assert flat.sfi.k == nested.sfi.k == 96 and flat.evict.budget == nested.evict.budget == 256
+    assert request_policy_of({"cotserve_policy": "sfi"}).sfi is not None
+    with pytest.raises(PolicyError, match="no policy in 'dense'"):  # options without a policy
+        request_policy_of({"cotserve.k": 64})
+    with pytest.raises(PolicyError, match="one form"):
+        request_policy_of({"cotserve_policy": "sfi", "cotserve": {"policy": "sfi"}})
+    with pytest.raises(PolicyError, match="not available on the vllm engine"):
+        request_policy_of({"cotserve_policy": "snapkv"})
+    with pytest.raises(PolicyError):
+        request_policy_of({"cotserve_policy": "sfi", "cotserve.no_such_option": 1})

@@ -87,9 +87,29 @@ class BatchRows:
 ROWS = BatchRows()
 
 
+FLAT_POLICY = "cotserve_policy"
+FLAT_PREFIX = "cotserve."
+
+
 def policy_of(extra_args: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    """(policy spec, options) from `SamplingParams.extra_args`; dense when absent."""
-    spec = (extra_args or {}).get("cotserve") or {}
+    """(policy spec, options) from `SamplingParams.extra_args`; dense when absent.
+
+    Two forms: cotserve's own, `{"cotserve": {"policy": "sfi", "options": {"k": 1024}}}` (what
+    `cotserve serve --engine vllm` sends), and a flat one for a plain `vllm serve`, whose
+    `vllm_xargs` take only strings, numbers and lists: `{"cotserve_policy": "skipkv+sfi",
+    "cotserve.sfi.k": 1024, "cotserve.budget": 2048}` (an option key after `cotserve.`, with a
+    policy prefix where a stack has the same option twice)."""
+    args = extra_args or {}
+    flat = {k: v for k, v in args.items() if isinstance(k, str) and k.startswith(FLAT_PREFIX)}
+    if FLAT_POLICY in args or flat:
+        if "cotserve" in args:
+            raise PolicyError("extra_args has both 'cotserve' and the flat cotserve_policy / cotserve.* keys; "
+                              "use one form")
+        policy = args.get(FLAT_POLICY) or "dense"
+        if not isinstance(policy, str):
+            raise PolicyError("cotserve_policy must be a string such as 'sfi' or 'skipkv+sfi'")
+        return policy.strip(), {k[len(FLAT_PREFIX):]: v for k, v in flat.items()}
+    spec = args.get("cotserve") or {}
     if not isinstance(spec, dict):
         raise PolicyError("extra_args['cotserve'] must be an object {policy, options}")
     policy = spec.get("policy") or "dense"

