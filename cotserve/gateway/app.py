@@ -45,6 +45,7 @@ from cotserve.gateway.schemas import (
 )
 from cotserve.gateway.tools import fallback_history, native_history, template_supports_tools
 from cotserve.policies.options import typed_options
+from cotserve.policies.served import ServedModel, check_served
 from cotserve.queue.base import JobQueue
 
 CHAT_PATH = "/v1/chat/completions"
@@ -53,10 +54,13 @@ CHAT_PATH = "/v1/chat/completions"
 class PromptBuilder:
     """Chat template + token counting, on the gateway side (the workers get token ids)."""
 
-    def __init__(self, tokenizer, context_len: int, path: str | None = None):
+    def __init__(self, tokenizer, context_len: int, path: str | None = None, model: ServedModel | None = None):
         self.tokenizer = tokenizer
         self.context_len = int(context_len)
         self.path = path  # the model folder (generation_config.json), when known
+        # the served model's shape and name, when known: per-request policy options are then
+        # checked against it and the server's files at the gateway (`policies/served.py`)
+        self.model = model
         self.native_tools = template_supports_tools(tokenizer)
 
     @classmethod
@@ -75,7 +79,7 @@ class PromptBuilder:
                 raise CotserveError(f"--max-model-len {max_model_len} is beyond the model's {ctx} positions "
                                     "(max_position_embeddings)")
             ctx = max_model_len
-        return cls(AutoTokenizer.from_pretrained(str(path)), ctx, str(path))
+        return cls(AutoTokenizer.from_pretrained(str(path)), ctx, str(path), ServedModel.from_config(spec, cfg))
 
     def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                prefix: str = "") -> list[int]:
@@ -122,6 +126,8 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     created = int(time.time())
     err_responses = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
     settings.policy_options = typed_options(settings.policy, settings.policy_options)
+    if prompts.model is not None:  # the server's default policy must run on its model (CotserveError)
+        check_served(settings.policy, settings.policy_options, prompts.model)
     jobs = JobFactory(settings, prompts)
     relay = JobRelay(settings, queue, metrics)
     token_text = TokenText(prompts.tokenizer)

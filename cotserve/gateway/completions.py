@@ -19,6 +19,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from cotserve import __version__
+from cotserve.errors import redact_paths
 from cotserve.gateway.errors import APIError
 from cotserve.gateway.jobs import JobFactory
 from cotserve.gateway.metrics import Metrics
@@ -98,7 +99,7 @@ def install(app: FastAPI, rt: Runtime) -> None:
                 else:
                     ids = encode_chat(tok, fallback_history(msgs, tools), None, body.add_generation_prompt)
             except Exception as exc:
-                raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+                raise APIError(400, f"cannot apply the chat template: {redact_paths(str(exc))}", param="messages") from exc
         out: dict[str, Any] = {"count": len(ids), "max_model_len": prompts.context_len, "tokens": list(ids)}
         if body.return_token_strs:
             out["token_strs"] = tok.convert_ids_to_tokens(list(ids))

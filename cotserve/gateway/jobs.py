@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
+from cotserve.errors import redact_paths
 from cotserve.gateway.errors import APIError
 from cotserve.gateway.output import ChatPlan
 from cotserve.gateway.reasoning import make_reasoning_parser
 from cotserve.gateway.schemas import ChatCompletionRequest
 from cotserve.gateway.tools import get_tool_parser
 from cotserve.policies.options import OptionError, server_only_keys, validate_spec
+from cotserve.policies.served import check_served
 from cotserve.queue.base import Job
 
 if TYPE_CHECKING:
@@ -105,10 +107,12 @@ class JobFactory:
                                "by the server (serve --policy-opt / --policy-file)",
                                param=f"cotserve.options.{forbidden[0]}", code="invalid_policy")
             options.update(cot.options)
-            try:  # the typed option models: no torch, no files (the worker checks those)
+            try:  # the typed option models, then the served model and the server's files (no torch)
                 validate_spec(policy, options)
+                if self.prompts.model is not None:
+                    check_served(policy, options, self.prompts.model)
             except OptionError as exc:
-                raise APIError(400, str(exc), param=exc.param, code="invalid_policy") from exc
+                raise APIError(400, redact_paths(str(exc)), param=exc.param, code="invalid_policy") from exc
         return policy, options
 
     def sampling_of(self, body, n_prompt: int, asked: int | None, asked_param: str, logprobs: int | None,
@@ -167,7 +171,7 @@ class JobFactory:
         try:
             ids = await run_in_threadpool(self.prompts.encode, messages, tools, plan.call_prefix)
         except Exception as exc:  # a template that rejects this conversation
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+            raise APIError(400, f"cannot apply the chat template: {redact_paths(str(exc))}", param="messages") from exc
         asked = body.max_completion_tokens or body.max_tokens
         sampling = self.sampling_of(body, len(ids), asked,
                                     "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from cotserve.errors import redact_paths
 from cotserve.gateway.errors import APIError
 from cotserve.gateway.metrics import Metrics
 from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable
@@ -66,7 +67,9 @@ class JobRelay:
         While nothing arrives it yields {"t": "ping"} every `keepalive_s` (streams send an SSE
         comment), ends with a 503 `queue_timeout` once the job has waited `queue_timeout` seconds
         without a worker (queued, or handed back after its worker was lost), and rides out an
-        unreachable queue for `queue_outage_s` seconds, retrying with backoff."""
+        unreachable queue for `queue_outage_s` seconds, retrying with backoff. An error event's
+        message has its file paths shortened (`redact_paths`): whichever worker wrote it, no path
+        of its machine reaches the client."""
         after = "0"
         finished = False
         done = 0
@@ -89,6 +92,8 @@ class JobRelay:
                     evs = []
                 for eid, ev in evs:
                     after = eid
+                    if ev.get("t") == "error" and isinstance(ev.get("message"), str):
+                        ev = {**ev, "message": redact_paths(ev["message"])}  # whichever worker wrote it
                     if ev.get("t") == "done":
                         done += 1
                     if ev.get("t") == "error" or done >= n:

@@ -67,13 +67,13 @@ from cotserve.errors import PolicyError
 from cotserve.kernels import cpu_decode
 from cotserve.policies.base import Axis, Policy, PolicyConfig, grouped_attention
 from cotserve.policies.registry import register
+from cotserve.policies.served import shipped_calibration
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
     from cotserve.engine.cache import KVCache
 
 CALIBRATE_CMD = "cotserve calibrate sinkrouter --model {model} --out FILE.json"
-CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "calibration"
 
 
 # -- routing scores ---------------------------------------------------------------------------
@@ -219,10 +219,6 @@ def check_calibration(cal: Calibration, model_name: str, num_layers: int, num_kv
             f"sinkrouter calibration {cal.path} was fitted with first_layers={cal.first_layers}, the policy has "
             f"first_layers={first_layers}; set --policy-opt first_layers={cal.first_layers} or {fix} "
             f"--first-layers {first_layers}")
-
-
-def shipped_calibration(model_slug: str) -> Path:
-    return CALIBRATION_DIR / f"{model_slug}.json"
 
 
 # -- decode attention: reference and fast path --------------------------------------------------

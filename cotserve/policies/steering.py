@@ -46,21 +46,19 @@ from cotserve.errors import CotserveError, PolicyError
 from cotserve.policies.base import Axis, Policy, PolicyConfig
 from cotserve.policies.boundaries import thought_delimiter_ids
 from cotserve.policies.registry import _coerce, register
+from cotserve.policies.served import VECTOR_KEY, shipped_vector_dir
 from cotserve.policies.thoughts import DEFAULT_RULES, ThoughtRules, load_rules, thought_tracker
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
-VECTOR_KEY = "steering_vector"
 BUILD_HINT = "cotserve build-steering --model {model} --data math_train.jsonl --layer L --samples N --out DIR"
 
 
 def shipped_dir() -> Path:
     """The folder of vectors shipped with the package (`steering_vectors/`, installed as
     `cotserve.steering_vectors`)."""
-    import cotserve.steering_vectors as sv
-
-    return Path(sv.__file__).resolve().parent
+    return shipped_vector_dir()
 
 
 def vector_path(out_dir: str | Path, slug: str, layer: int) -> Path:

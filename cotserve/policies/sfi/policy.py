@@ -30,6 +30,7 @@ decode steps; a slow step reads everything, 1.0).
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +57,12 @@ if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 log = logging.getLogger(__name__)
+
+
+def triton_runs(device: torch.device) -> bool:
+    """Whether the paged runtime's Triton kernels can run on `device`: CUDA, or a CPU through
+    Triton's interpreter (TRITON_INTERPRET=1, how the tests run them)."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _use_kernel(cfg: SFIConfig, device: torch.device, dtype: torch.dtype) -> bool:
@@ -106,10 +113,13 @@ class SFIPolicy(Policy):
             from cotserve.policies.sfi import graph
 
             alone = list(batch.policy.parts) == [self]
-            if graph.supported(cfg) and alone:
+            if not triton_runs(cache.device):
+                log.warning("sfi: kernel=paged needs Triton on CUDA (on a CPU only under TRITON_INTERPRET=1); "
+                            "this batch decodes through the eager policy")
+            elif graph.supported(cfg) and alone:
                 self.runtime = graph.NativeGraphSFI(cfg, batch)
                 return
-            if cfg.kernel == "paged":
+            elif cfg.kernel == "paged":
                 log.warning("sfi: kernel=paged serves SFI alone without fallback heads (dense_heads=0); "
                             "this batch decodes through the eager policy")
         L, B, H, D = shape.layers, shape.slots, shape.kv_heads, shape.head_dim  # noqa: N806
