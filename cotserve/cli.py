@@ -398,6 +398,12 @@ def serve(
                                                  "queue_timeout error; 0 = no limit.")] = 300.0,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted; a larger one gets 413 before it "
                                                 "is read.")] = 4 * 1024 * 1024,
+    max_header_bytes: Annotated[int, typer.Option(help="Largest total of a request's header names and values; a "
+                                                  "request with more gets 431.")] = 64 * 1024,
+    max_headers: Annotated[int, typer.Option(help="Most headers a request may have; one with more gets 431.")] = 256,
+    public_metrics: Annotated[bool, typer.Option(help="With API keys: /metrics and the API docs (/docs, /redoc, "
+                                                 "/openapi.json) answer without a key too (by default they need "
+                                                 "one; /health and /ready never do).")] = False,
     keepalive: Annotated[float, typer.Option(help="Seconds between SSE keep-alive comments while a stream waits "
                                              "for tokens.")] = 15.0,
     queue_outage: Annotated[float, typer.Option(help="Seconds in-flight requests ride out an unreachable Redis "
@@ -436,6 +442,8 @@ def serve(
         _check_engine(engine)
         _check_scheduler(scheduler, prefill_chunk, pool_len)
         max_batch = _max_batch(max_batch, scheduler, engine)
+        if max_header_bytes < 1024 or max_headers < 16:
+            raise CotserveError("--max-header-bytes must be at least 1024 and --max-headers at least 16")
         if max_body_bytes < 1024 or keepalive <= 0 or queue_timeout < 0 or queue_outage < 0 or drain_timeout < 0:
             raise CotserveError("--max-body-bytes must be at least 1024, --keepalive positive, --queue-timeout, "
                                 "--queue-outage and --drain-timeout at least 0")
@@ -452,6 +460,8 @@ def serve(
                          queue_outage_s=queue_outage, drain_s=drain_timeout, log_level=logconfig.current()[0], generation_config=generation_config,
                          max_model_len=max_model_len, tool_call_parser=tool_call_parser,
                          reasoning_parser=reasoning_parser)
+        # the gateway's header limits and key-free pages (GatewaySettings' fields of the same names)
+        args.max_header_bytes, args.max_headers, args.public_metrics = max_header_bytes, max_headers, public_metrics
         _check_scheduler(scheduler, prefill_chunk, pool_len)
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                    max_wait=batch_wait, threads=threads, engine=engine,

@@ -1,10 +1,12 @@
 """Client input never gives a 5xx and no message names a server path: policy options the served
 model or the server's files cannot satisfy (400 at the gateway, `param` naming the option),
-error messages of workers, and a data directory named but missing. The real gateway over HTTP
-(httpx), with the bundled model in a continuous worker where tokens are needed."""
+error messages of workers, JSON nested past any parser's recursion, oversized headers (431),
+/metrics and the API docs behind the API key, and a data directory named but missing. The real
+gateway over HTTP (httpx), with the bundled model in a continuous worker where tokens are needed."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -20,6 +22,7 @@ from support import ServerThread
 import cotserve
 from cotserve.errors import CotserveError
 from cotserve.gateway.app import GatewaySettings, PromptBuilder, create_app
+from cotserve.gateway.guard import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, MAX_JSON_DEPTH
 from cotserve.policies.options import OptionError
 from cotserve.policies.served import ServedModel
 from cotserve.queue import InProcessQueue
@@ -178,6 +181,91 @@ def test_a_workers_error_message_reaches_the_client_without_paths(engine):
     finally:
         worker.stop.set()
         worker.join(timeout=10)
+
+
+# -- the body and the headers -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bare(engine):
+    """No worker: what is refused is refused before the queue."""
+    with Served(engine, worker=False) as s:
+        yield s.url
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("body", [
+    "[" * 5000,  # unbalanced, as sent by a fuzzer
+    _nested(5000),
+    '{"model": "m", "messages": ' + "[" * 5000,
+    json.dumps(chat(cotserve={"options": {"k": 0}})).replace('"k": 0', f'"k": {_nested(MAX_JSON_DEPTH)}'),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+def test_deeply_nested_json_is_a_400(bare, path, body):
+    r = httpx.post(bare + path, content=body.encode(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json" and str(MAX_JSON_DEPTH) in r.json()["error"]["message"]
+
+
+def test_json_nested_up_to_the_limit_reaches_validation(bare):
+    # depth MAX_JSON_DEPTH in all: the object, then MAX_JSON_DEPTH - 1 levels below it
+    body = f'{{"model": "{MODEL}", "messages": {_nested(MAX_JSON_DEPTH - 1)}}}'
+    r = httpx.post(bare + "/v1/chat/completions", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", r.text
+
+
+@pytest.mark.parametrize("headers", [
+    {f"x-h{i}": "a" for i in range(5000)},
+    {f"x-h{i}": "a" for i in range(DEFAULT_MAX_HEADERS)},  # with the client's own: over the count
+    {"x-big": "a" * (1 << 20)},
+    {"x-big": "a" * DEFAULT_MAX_HEADER_BYTES},
+], ids=["5000-headers", "one-too-many", "1-MiB", "just-over-64-KiB"])
+@pytest.mark.parametrize("method,path", [("GET", "/health"), ("POST", "/v1/chat/completions"), ("GET", "/nowhere")])
+def test_too_many_or_too_large_headers_are_a_431(bare, headers, method, path):
+    with httpx.Client(base_url=bare, timeout=30) as c:
+        r = c.request(method, path, headers=headers, json=chat() if method == "POST" else None)
+        assert r.status_code == 431, r.text[:300]
+        assert r.json()["error"]["code"] == "request_header_fields_too_large"
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(bare + "/health", headers={f"x-h{i}": "a" * 200 for i in range(100)})  # 100 headers, 20 KB
+    assert r.status_code == 200
+
+
+def test_header_limits_are_settings(engine):
+    with Served(engine, worker=False, max_headers=16, max_header_bytes=2048) as s:
+        assert httpx.get(s.url + "/health", headers={f"x-h{i}": "a" for i in range(8)}).status_code == 200
+        assert httpx.get(s.url + "/health", headers={f"x-h{i}": "a" for i in range(16)}).status_code == 431
+        assert httpx.get(s.url + "/health", headers={"x-big": "a" * 2048}).status_code == 431
+
+
+# -- /metrics and the API docs behind the key -------------------------------------------------------
+OPS_PAGES = ("/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect")
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_metrics_and_docs_follow_the_api_keys(engine, public):
+    with Served(engine, worker=False, api_keys=["sekret"], public_metrics=public) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        for path in OPS_PAGES:
+            r = c.get(path)
+            if public:
+                assert r.status_code == 200, (path, r.text[:200])
+            else:
+                assert r.status_code == 401, (path, r.text[:200])
+                assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+                assert c.get(path, headers={"authorization": "Bearer wrong"}).status_code == 401
+            assert c.get(path, headers={"authorization": "Bearer sekret"}).status_code == 200, path
+        assert c.get("/health").status_code == 200  # probes stay open
+        assert c.get("/ready").status_code == 503 and c.get("/ready").json()["error"]["code"] == "not_ready"
+        spec = c.get("/openapi.json", headers={"authorization": "Bearer sekret"}).json()
+        metrics_op = spec["paths"]["/metrics"]["get"]
+        assert ("security" in metrics_op) is not public and ("401" in metrics_op["responses"]) is not public
+
+
+def test_without_keys_metrics_and_docs_are_open(bare):
+    for path in OPS_PAGES:
+        assert httpx.get(bare + path).status_code == 200, path
 
 
 # -- the data directory -----------------------------------------------------------------------------

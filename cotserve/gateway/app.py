@@ -29,7 +29,12 @@ from cotserve.errors import CotserveError
 from cotserve.gateway import completions, errors
 from cotserve.gateway.auth import check_key
 from cotserve.gateway.errors import APIError
-from cotserve.gateway.guard import DEFAULT_MAX_BODY_BYTES, Guard
+from cotserve.gateway.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADERS,
+    Guard,
+)
 from cotserve.gateway.jobs import JobFactory
 from cotserve.gateway.metrics import Metrics
 from cotserve.gateway.output import TokenText
@@ -113,6 +118,9 @@ class GatewaySettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     keepalive_s: float = 15.0  # an SSE comment after this many seconds without an event
     queue_outage_s: float = 30.0  # how long a request rides out an unreachable queue before it fails
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # header names and values together; more get 431
+    max_headers: int = DEFAULT_MAX_HEADERS  # more headers get 431
+    public_metrics: bool = False  # with API keys: /metrics and the API docs answer without a key too
 
 
 def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilder) -> FastAPI:
@@ -124,7 +132,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     app.state.queue = queue
     app.state.settings = settings
     created = int(time.time())
-    err_responses = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
+    err_responses = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 431, 500, 503)}
     settings.policy_options = typed_options(settings.policy, settings.policy_options)
     if prompts.model is not None:  # the server's default policy must run on its model (CotserveError)
         check_served(settings.policy, settings.policy_options, prompts.model)
@@ -136,8 +144,12 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
         if path.endswith("/chat/completions"):
             metrics.requests.labels(str(status)).inc()
 
+    # with API keys, the API docs need one too unless they are public (/metrics: its route's dependency)
+    key_paths = () if settings.public_metrics else tuple(
+        p for p in (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url) if p)
     app.add_middleware(Guard, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
-                       on_status=count_status)
+                       on_status=count_status, max_header_bytes=settings.max_header_bytes,
+                       max_headers=settings.max_headers, key_paths=key_paths)
     bearer = HTTPBearer(auto_error=False, description="An API key of the server (when it has keys).")
 
     async def auth(request: Request,
@@ -167,9 +179,12 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
             raise APIError(503, why, code="not_ready", headers={"Retry-After": "1"})
         return {"status": "ready", **stats}
 
-    @app.get("/metrics", tags=["ops"], response_class=Response)
+    metrics_key = [] if settings.public_metrics or not settings.api_keys else [Depends(auth)]
+
+    @app.get("/metrics", tags=["ops"], response_class=Response, dependencies=metrics_key,
+             responses={401: {"model": ErrorResponse}} if metrics_key else None)
     async def prom_metrics() -> Response:
-        """Prometheus text format."""
+        """Prometheus text format (with API keys: a key is needed, unless the server's metrics are public)."""
         try:
             stats = await queue.stats()
         except Exception:
