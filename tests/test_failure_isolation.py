@@ -25,7 +25,7 @@ from cotserve.worker import ContinuousWorker, Worker
 GOOD = ["Once upon a time", "The capital of France is", "List three colours:", "Water boils at"]
 BAD = "This request breaks its batch."
 OPTS = {"budget": 20, "sinks": 4}
-NEW = 10
+NEW = 8
 
 
 def _ids(engine, text: str) -> list[int]:
@@ -65,9 +65,13 @@ def _serve(worker, q, jobs, timeout: float = 300.0) -> dict[str, list[dict]]:
     return {j.id: q.published(j.id) for j in jobs}
 
 
+@pytest.fixture(scope="module")
+def expected(engine):
+    return {text: _alone(engine, text) for text in GOOD}
+
+
 @pytest.mark.parametrize("kind", ["continuous", "static"])
-def test_a_failing_sequence_fails_alone(engine, faulty, kind):
-    expected = {text: _alone(engine, text) for text in GOOD}
+def test_a_failing_sequence_fails_alone(engine, expected, faulty, kind):
     q = InProcessQueue()
     cls = ContinuousWorker if kind == "continuous" else Worker
     w = cls(engine, q, worker_id=f"w-iso-{kind}", max_batch=8, max_wait=0.5)

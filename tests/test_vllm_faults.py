@@ -2,7 +2,8 @@
 `cotserve serve --engine vllm` (embedded) and by two `cotserve worker --engine vllm` processes
 behind a gateway on a real Redis.
 
-- SIGKILL of vLLM's EngineCore mid-stream, embedded: the stream ends with an error event at once,
+- `cotserve serve --engine vllm` as the openai SDK sees it (plain, streamed, dense, SFI, SkipKV), then
+  SIGKILL of vLLM's EngineCore mid-stream, embedded: the stream ends with an error event at once,
   /ready turns 503 within 5 s, the worker restarts its engine, /ready is 200 again and the next
   request succeeds; SIGTERM then ends every process the server started within 15 s.
 - The same kill in Redis mode with two workers: the dead engine's job goes back to the queue, the
@@ -37,7 +38,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-VLLM_ARGS = ["--engine", "vllm", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
+VLLM_ARGS = ["--engine", "vllm", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
 
 
 def _start(args: list[str], log) -> subprocess.Popen:
@@ -120,6 +121,49 @@ class _Stream:
         self.first.set()
 
 
+def _openai_sdk_checks(base: str) -> None:
+    """The server as an OpenAI SDK client sees it: plain and streamed, dense, SFI and SkipKV (its
+    telemetry in the final chunk), the same greedy text either way, and a 400 for a policy the
+    vllm engine does not run."""
+    import concurrent.futures as cf
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    long_text = "Explain, step by step, why the sum of two even numbers is even. " * 40
+    sfi = {"cotserve": {"policy": "sfi", "options": {"k": 64, "recent": 32, "dense_heads": 0}}}
+
+    def plain(extra):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": long_text}],
+                                           max_tokens=24, temperature=0, extra_body=extra)
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    def streamed(extra):
+        chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": long_text}],
+                                                     max_tokens=24, temperature=0, stream=True, extra_body=extra))
+        tele = [c.model_extra.get("cotserve") for c in chunks if c.model_extra and c.model_extra.get("cotserve")]
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), tele
+
+    # an evicting request, streamed: its prompt (~600 tokens) is compacted to 128 entries at once
+    skipkv = {"cotserve": {"policy": "skipkv", "options": {"budget": 128, "interval": 8}}}
+    with cf.ThreadPoolExecutor(5) as ex:
+        futs = [ex.submit(plain, None), ex.submit(plain, sfi), ex.submit(streamed, None), ex.submit(streamed, sfi),
+                ex.submit(streamed, skipkv)]
+        results = [f.result(timeout=600) for f in futs]
+    for text, _ in results:
+        assert text.strip()
+    assert results[0][1] == 24 and results[1][1] == 24
+    tele = results[4][1][-1]  # the final chunk's telemetry: peak KV entries and compactions
+    assert tele["policy"] == "skipkv" and tele["compactions"] >= 3 and tele["kv_entries_peak"] > 128
+    assert results[0][0] == results[2][0]  # dense, plain and streamed: the same greedy text
+    assert results[1][0] == results[3][0]  # SFI likewise
+    bad = httpx.post(base + "/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "cotserve": {"policy": "snapkv"}}, timeout=60)
+    assert bad.status_code == 400 and "vllm engine" in bad.text
+
+
 def test_engine_killed_mid_stream_embedded_restarts_then_sigterm_ends_everything(tmp_path):
     from support import free_port
 
@@ -129,6 +173,7 @@ def test_engine_killed_mid_stream_embedded_restarts_then_sigterm_ends_everything
     proc = _start(["serve", *VLLM_ARGS, "--port", str(port)], open(log_path, "w"))
     try:
         _wait_ready(base, [proc], log_path)
+        _openai_sdk_checks(base)
         s = _Stream(base, 600)
         assert s.first.wait(120) and s.text, "no token arrived"
         core = _engine_core(proc.pid)
@@ -185,7 +230,7 @@ def test_engine_killed_with_two_redis_workers_the_other_finishes_the_stream(tmp_
     common = ["--redis-url", REDIS_URL, "--key-prefix", prefix]
     workers = {wid: _start(["worker", *common, *VLLM_ARGS, "--worker-id", wid, "--heartbeat", "0.5"], log)
                for wid in ("wa", "wb")}
-    gateway = _start(["serve", *common, "--port", str(port), "--max-model-len", "1024"], log)
+    gateway = _start(["serve", *common, "--port", str(port), "--max-model-len", "2048"], log)
     try:
         deadline = time.time() + 600
         while len([w for w in ("wa", "wb") if r.exists(f"{prefix}hb:{w}")]) < 2:
@@ -194,11 +239,11 @@ def test_engine_killed_with_two_redis_workers_the_other_finishes_the_stream(tmp_
                 assert p.poll() is None, log_path.read_text()[-3000:]
             time.sleep(1)
         _wait_ready(base, [gateway], log_path)
-        ref = httpx.post(base + "/v1/chat/completions", json=_chat(base, 160, False), timeout=300)
+        ref = httpx.post(base + "/v1/chat/completions", json=_chat(base, 96, False), timeout=300)
         assert ref.status_code == 200
         expected = ref.json()["choices"][0]["message"]["content"]
 
-        s = _Stream(base, 160)
+        s = _Stream(base, 96)
         assert s.first.wait(120) and s.text
         holder = next((w for w in ("wa", "wb") if r.scard(f"{prefix}claimed:{w}")), None)
         assert holder is not None

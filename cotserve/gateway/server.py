@@ -44,6 +44,9 @@ class ServeArgs:
     keepalive_s: float = 15.0
     queue_outage_s: float = 30.0
     drain_s: float = 120.0  # on SIGTERM: seconds running requests get to finish
+    max_header_bytes: int = 64 * 1024  # a request with more header bytes, or more headers, gets 431
+    max_headers: int = 256
+    public_metrics: bool = False  # with API keys: /metrics and the API docs open without one
     log_level: str = "info"
 
 
@@ -71,7 +74,8 @@ def gateway_settings(args: ServeArgs, engine_args: EngineArgs, prompts, keys: li
         default_max_tokens=defaults.max_tokens, default_temperature=defaults.temperature,
         default_top_p=defaults.top_p, default_top_k=defaults.top_k, tool_call_parser=args.tool_call_parser,
         reasoning_parser=reasoning, queue_timeout=args.queue_timeout, max_body_bytes=args.max_body_bytes,
-        keepalive_s=args.keepalive_s, queue_outage_s=args.queue_outage_s)
+        keepalive_s=args.keepalive_s, queue_outage_s=args.queue_outage_s, max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers, public_metrics=args.public_metrics)
 
 
 def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
@@ -114,12 +118,28 @@ def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:
         server.run()
     finally:
         if embedded is not None:
-            embedded.close(timeout=10.0)
-        end_children(5.0)
+            embedded.close(timeout=5.0)
+        end_children(3.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if embedded is not None:
+        # the engine and its processes are stopped; leave now rather than wait on what vLLM's
+        # libraries still hold at interpreter exit (their own exit handlers can hang on a dead peer)
+        _exit_now(2 if fatal else 0, fatal[0] if fatal else None)
     if fatal:
         raise CotserveError(fatal[0])
+
+
+def _exit_now(code: int, message: str | None) -> None:
+    import os
+    import sys
+
+    if message:
+        print(f"error: {message}", file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _quiet_signals() -> dict:

@@ -116,24 +116,36 @@ class EmbeddedWorker:
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop claiming, let the worker loop end (up to `timeout`), close the engine."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop claiming, let the worker loop end, close the engine (each step up to `timeout`)."""
         self._stopping.set()
         w = self.worker
         if w is not None:
             w.stop()
             self.thread.join(timeout)
-            _close(w.engine)
+            _close(w.engine, timeout)
 
 
-def _close(engine) -> None:
+def _close(engine, timeout: float | None = None) -> None:
+    """Close `engine` (vLLM: its engine processes end), waiting at most `timeout` seconds."""
     close = getattr(engine, "close", None)
     if close is None:
         return
-    try:
-        close()
-    except Exception:
-        log.warning("closing the engine failed", exc_info=True)
+
+    def run() -> None:
+        try:
+            close()
+        except Exception:
+            log.warning("closing the engine failed", exc_info=True)
+
+    if timeout is None:
+        run()
+        return
+    t = threading.Thread(target=run, name="cotserve-engine-close", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        log.warning("the engine did not close within %.0f s", timeout)
 
 
 def start_worker_thread(engine_args: EngineArgs, queue, worker_id: str = "embedded",
