@@ -402,3 +402,30 @@ def test_metrics_time_tokens_as_they_arrive(server):
     assert delta("vllm:generation_tokens_total", model_name=MODEL) == 16
     assert delta("vllm:request_success_total", model_name=MODEL, finished_reason="length") == 2
     assert ("vllm:num_requests_waiting", (("model_name", MODEL),)) in after
+
+
+# -- X-Request-Id --------------------------------------------------------------------------------
+def test_x_request_id_round_trip_into_both_log_lines(server, caplog):
+    """A client's X-Request-Id comes back on the response (streamed or not, errors too) and names
+    the request in the gateway's `enqueued` line and the worker's request line; without one (or
+    with an unusable one) the server makes one up."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="cotserve")
+    r = post(server.url, body(), headers={"X-Request-Id": "trace-42.a"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42.a"
+    job_id = r.json()["id"]
+    wait_for(lambda: any(getattr(rec, "request_id", None) == job_id and rec.name == "cotserve.requests"
+                         for rec in caplog.records), what="the worker's request line")
+    lines = [rec for rec in caplog.records if getattr(rec, "request_id", None) == job_id]
+    assert {rec.name for rec in lines} >= {"cotserve.gateway", "cotserve.requests"}
+    assert all(rec.x_request_id == "trace-42.a" for rec in lines)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body(stream=True), timeout=120,
+                      headers={"x-request-id": "s-1"}) as s:
+        assert s.headers["x-request-id"] == "s-1"
+        s.read()
+    bad = post(server.url, body(max_tokens=-1), headers={"X-Request-Id": "e-7"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "e-7"
+    fresh = post(server.url, body(), headers={"X-Request-Id": "has space"})
+    assert fresh.headers["x-request-id"] != "has space" and len(fresh.headers["x-request-id"]) == 32
+    assert len(httpx.get(server.url + "/health").headers["x-request-id"]) == 32

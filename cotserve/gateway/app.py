@@ -39,6 +39,7 @@ from cotserve.gateway.jobs import JobFactory
 from cotserve.gateway.metrics import Metrics
 from cotserve.gateway.output import TokenText
 from cotserve.gateway.relay import JobRelay
+from cotserve.gateway.request_id import RequestId, request_id_of
 from cotserve.gateway.responses import chat_response, chat_stream
 from cotserve.gateway.schemas import (
     ChatCompletion,
@@ -150,6 +151,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     app.add_middleware(Guard, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
                        on_status=count_status, max_header_bytes=settings.max_header_bytes,
                        max_headers=settings.max_headers, key_paths=key_paths)
+    app.add_middleware(RequestId)  # outermost: every answer, the Guard's too, carries X-Request-Id
     bearer = HTTPBearer(auto_error=False, description="An API key of the server (when it has keys).")
 
     async def auth(request: Request,
@@ -209,6 +211,7 @@ def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilde
     async def chat(body: ChatCompletionRequest, request: Request):
         # error statuses are counted by the exception handlers (errors.install)
         job, plan = await jobs.chat_job(body)
+        job.client_request_id = request_id_of(request)
         await relay.submit(job)
         if body.stream:
             metrics.requests.labels("200").inc()

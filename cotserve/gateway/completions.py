@@ -25,6 +25,7 @@ from cotserve.gateway.jobs import JobFactory
 from cotserve.gateway.metrics import Metrics
 from cotserve.gateway.output import TokenText, completion_logprobs
 from cotserve.gateway.relay import JobRelay
+from cotserve.gateway.request_id import request_id_of
 from cotserve.gateway.responses import telemetry_of, usage_of
 from cotserve.gateway.schemas import CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -131,6 +132,7 @@ def install(app: FastAPI, rt: Runtime) -> None:
         policy, options = rt.jobs.policy_of(body.cotserve)
         sampling = rt.jobs.sampling_of(body, len(ids), body.max_tokens, "max_tokens", body.logprobs, "prompt")
         job = rt.jobs.new_job(ids, sampling, policy, options, prefix="cmpl-")
+        job.client_request_id = request_id_of(request)
         n = sampling["n"]
         await rt.relay.submit(job)
         if body.stream:

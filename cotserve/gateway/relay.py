@@ -4,6 +4,7 @@ whose client went away, and running a job to its end (`JobRelay`, one per app)."
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,8 @@ from cotserve.errors import redact_paths
 from cotserve.gateway.errors import APIError
 from cotserve.gateway.metrics import Metrics
 from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable
+
+log = logging.getLogger("cotserve.gateway")
 
 if TYPE_CHECKING:
     from cotserve.gateway.app import GatewaySettings
@@ -59,6 +62,9 @@ class JobRelay:
         except QueueUnavailable as exc:
             raise APIError(503, str(exc), code="queue_unavailable", headers={"Retry-After": "1"}) from exc
         self.metrics.in_flight.inc()
+        fields = {"request_id": job.id, "x_request_id": job.client_request_id, "policy": job.policy,
+                  "prompt_tokens": len(job.prompt_ids)}
+        log.info("enqueued " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None), extra=fields)
 
     async def events(self, job: Job, request: Request, n: int = 1) -> AsyncIterator[dict[str, Any]]:
         """The job's events until its n sequences are done (or an error); cancels the job when the

@@ -56,6 +56,7 @@ class Job:
     id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: float = field(default_factory=time.time)
     deadline: float | None = None  # unix time after which a job not yet started is dropped (503)
+    client_request_id: str | None = None  # the client's X-Request-Id (in both sides' log lines)
     attempts: int = 0  # set by the queue at claim time (1 = first run)
     claimed_at: float = 0.0
 

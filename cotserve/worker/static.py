@@ -247,7 +247,7 @@ class Worker:
                      telemetry: dict[str, Any] | None = None, **more: Any) -> None:
         tele = telemetry or {}
         fields: dict[str, Any] = {
-            "request_id": job.id, "policy": job.policy,
+            "request_id": job.id, "x_request_id": job.client_request_id, "policy": job.policy,
             "prompt_tokens": len(job.prompt_ids) if prompt_tokens is None else prompt_tokens,
             "generated_tokens": generated_tokens,
             "ttft_s": None if first_token_at is None else round(max(0.0, first_token_at - job.created), 4),
