@@ -87,7 +87,40 @@ def config_defaults(path: str, command: str | None) -> dict:
     def norm(d: dict) -> dict:  # option names as on the command line (--max-batch) or as Python (max_batch)
         return {str(k).replace("-", "_"): (norm(v) if isinstance(v, dict) else v) for k, v in d.items()}
 
-    return norm(data)
+    data = norm(data)
+    problem = _unknown_config_key(typer.main.get_command(app), data, "")
+    if problem:
+        fail(f"--config {path}: {problem}")
+    return data
+
+
+def _unknown_config_key(cmd, data: dict, where: str) -> str | None:
+    """The first key of `data` that names no subcommand / option of `cmd`, as a message with the
+    closest valid names (a typo in a config file must not pass for a default)."""
+    import difflib
+
+    subs = getattr(cmd, "commands", None)
+    if subs is not None:  # a group: keys are its commands
+        for key, value in data.items():
+            name = key.replace("_", "-")
+            sub = subs.get(name) or subs.get(key)
+            if sub is None:
+                near = difflib.get_close_matches(name, sorted(subs), n=3)
+                return f"{where or 'the file'} has no command {key!r}" + (f" (did you mean {', '.join(near)}?)"
+                                                                          if near else "")
+            if not isinstance(value, dict):
+                return f"{(where + ' ' if where else '') + name}: expected a mapping of options"
+            problem = _unknown_config_key(sub, value, (where + " " if where else "") + name)
+            if problem:
+                return problem
+        return None
+    names = {p.name for p in cmd.params if p.name}
+    for key in data:
+        if key not in names:
+            near = difflib.get_close_matches(key, sorted(names), n=3)
+            hint = f" (did you mean {', '.join(n.replace('_', '-') for n in near)}?)" if near else ""
+            return f"{where} has no option {key.replace('_', '-')!r}{hint}"
+    return None
 
 
 def app_command_names() -> list[str]:

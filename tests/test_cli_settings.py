@@ -53,3 +53,16 @@ def test_worker_metrics_port_from_the_environment_or_a_config_file(tmp_path):
     assert proc.returncode == 2 and refusal in proc.stderr
     proc = _cli(*args, "--stats-interval", "-1")
     assert proc.returncode == 2 and "--stats-interval must be at least 0" in proc.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("serve: {prot: 8001}\n", "serve has no option 'prot' (did you mean port?)"),
+    ("prot: 8001\n", "serve has no option 'prot' (did you mean port?)"),
+    ("serve: {port: 8001}\nwroker: {heartbeat: 2}\n", "has no command 'wroker' (did you mean worker?)"),
+    ("bench: {decode: {contextz: 5}}\n", "bench decode has no option 'contextz' (did you mean context, contexts?)"),
+])
+def test_a_config_key_no_option_has_is_refused_with_the_closest_names(tmp_path, text, message):
+    cfg = tmp_path / "cotserve.yaml"
+    cfg.write_text(text)
+    proc = _cli("--config", str(cfg), "serve")
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
