@@ -204,7 +204,8 @@ def test_ops_endpoints(server):
     for name in ("cotserve_requests_total{status=\"200\"}", "cotserve_completion_tokens_total",
                  "cotserve_queue_pending", "cotserve_queue_wait_seconds_bucket",
                  "cotserve_time_to_first_token_seconds", "cotserve_decode_tokens_per_second",
-                 "cotserve_policy_telemetry{key=\"padding_fraction\",policy=\"dense\"}"):
+                 "cotserve_policy_telemetry_sum{key=\"padding_fraction\",policy=\"dense\"}",
+                 "cotserve_policy_telemetry_count{key=\"padding_fraction\",policy=\"dense\"}"):
         assert name in text, name
 
 

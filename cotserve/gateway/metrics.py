@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 
 from cotserve.worker.metrics import (
     ITL_BUCKETS,
@@ -54,8 +54,9 @@ class Metrics:
                                       registry=r, buckets=TOK_S_BUCKETS)
         self.ratios = Histogram("cotserve_policy_ratio", "Per-request ratios a policy reports (retained, "
                                 "slow-step, skip, padding)", ["policy", "key"], registry=r, buckets=RATIO_BUCKETS)
-        self.telemetry = Gauge("cotserve_policy_telemetry", "Latest numeric telemetry value per policy and key",
-                               ["policy", "key"], registry=r)
+        # a summary (sum and count, no quantiles): averages and totals aggregate across gateways and time
+        self.telemetry = Summary("cotserve_policy_telemetry", "Numeric telemetry of finished requests per policy "
+                                 "and key (sum and count)", ["policy", "key"], registry=r)
         m = ["model_name"]
         self.v_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m, registry=r,
                                 buckets=LATENCY_BUCKETS)
@@ -111,7 +112,7 @@ class Metrics:
             self.decode_tok_s.labels(policy).observe(float(telemetry["decode_tok_s"]))
         for k, v in telemetry.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("attempt",):
-                self.telemetry.labels(policy, k).set(float(v))
+                self.telemetry.labels(policy, k).observe(float(v))
                 if k in RATIO_KEYS:
                     self.ratios.labels(policy, k).observe(float(v))
 
