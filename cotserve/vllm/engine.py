@@ -118,7 +118,11 @@ class VLLMEngine:
         from transformers import AutoTokenizer
 
         from cotserve.models import pick_device, resolve_model
+        from cotserve.vllm import platform_problem
 
+        problem = platform_problem()
+        if problem:
+            raise ModelError(problem)
         opts = options or VLLMOptions()
         path = resolve_model(model)
         dev = pick_device(device)
