@@ -76,3 +76,10 @@ def test_stack_runs_eviction_before_reading():
     stack = build_policy("sfi+skipkv")
     assert [p.axis for p in stack.parts] == ["evict", "read"]
     assert stack.name == "skipkv+sfi"
+
+
+def test_an_unknown_option_lists_the_valid_ones():
+    with pytest.raises(PolicyError, match=r"has an option 'kk' \(did you mean k\? options: .*\bk\b.*recent"):
+        build_policy("sfi", {"kk": 1})
+    with pytest.raises(PolicyError, match=r"did you mean budget"):
+        build_policy("skipkv+sfi", {"budgett": 1})

@@ -17,6 +17,7 @@ This module imports nothing from the policies' torch code: the gateway loads it 
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -342,7 +343,11 @@ def route(spec: str, names: list[str], options: dict[str, Any],
             hints = [h for h in (_renamed_hint(n, key) for n in names) if h]
             if hints:
                 raise OptionError("; ".join(hints), param)
-            raise OptionError(f"no policy in {spec!r} has an option {key!r}", param)
+            valid = sorted({f for n in names for f in fields_of[n]})
+            near = difflib.get_close_matches(key, valid, n=3)
+            hint = f"did you mean {', '.join(near)}? " if near else ""
+            raise OptionError(f"no policy in {spec!r} has an option {key!r} ({hint}options: "
+                              f"{', '.join(valid) or 'none'})", param)
         for n in owners:
             per_part[n].setdefault(key, (key, value))
     return per_part
