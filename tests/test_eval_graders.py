@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cotserve.eval.graders import grade
-from cotserve.eval.graders.code import extract_code, stdout_matches, values_equal
+from cotserve.eval.graders.code import extract_code, grade_code, stdout_matches, values_equal
 from cotserve.eval.graders.gpqa import extract_letter
 from cotserve.eval.graders.gsm8k import grade_gsm8k
 from cotserve.eval.graders.math import extract_boxed, grade_math, math_equal
@@ -125,7 +125,8 @@ TRUNCATED_GSM8K = (  # a reply cut at max_tokens mid-list: the list marker "6" m
     ("She has 5 + 13 = 18", "stop", "18", False, "none"),  # a calculation line is not a statement
     ("Adding 5 and 13 she ends with 18 apples.", "stop", "18", True, "last_line"),
     ("Adding 5 and 13 she ends with 18 apples.", "length", "18", False, "truncated"),
-    ("So far 5 + 13 = 18, then\n#### 18", "length", "18", True, "marker"),  # cut after stating it
+    ("So far 5 + 13 = 18, then\n#### 18\nCheck", "length", "18", True, "marker"),  # cut after stating it
+    ("So far 5 + 13 = 18, then\n#### 18", "length", "18", False, "truncated"),  # 18 could have become 180
     ("The answer is: $1,018.", "stop", "1018", True, "marker"),
     ("**Final Answer**\n$18$", "stop", "18", True, "marker"),
     ("The answer is 18 and then 2 more", "stop", "18", False, "marker"),  # two numbers: judged whole
@@ -154,7 +155,8 @@ def test_math_refuses_to_guess(reply, finish, gold, ok, method):
     ("After all that, the answer is b.", "stop", "B", "marker"),
     ("A) x\nB) y\nC) z\nD) w", "stop", None, "none"),  # the options listed, none chosen
     ("Consider (A) first, then", "length", None, "truncated"),
-    ("It must be so. Answer: D", "length", "D", "marker"),
+    ("It must be so. Answer: D\nDone", "length", "D", "marker"),
+    ("It must be so. Answer: D", "length", None, "truncated"),  # at the very end of a cut reply
 ])
 def test_multiple_choice_forms_and_refusals(reply, finish, letter, method):
     from cotserve.eval.graders.gpqa import extract_letter_method
@@ -170,3 +172,87 @@ def test_grade_records_the_extraction_method_for_every_kind():
     assert grade(mc, "B) x", finish_reason="stop").method == "option_line"
     ex = Item("e", "1", "exact", "q", "yes")
     assert grade(ex, "The answer is yes", finish_reason="stop").correct
+
+
+# -- cut replies: an answer counts only when it was complete before the cut ----------------------
+
+@pytest.mark.parametrize("reply,gold,ok,method", [
+    ("Therefore the answer is \\boxed{12", "12", False, "truncated"),  # the box never closed
+    ("The final answer is 1,2", "12", False, "truncated"),  # could have been 1,234
+    ("The final answer is 1,2", "1234", False, "truncated"),
+    ("The answer is 7", "7", False, "truncated"),  # a trailing number at the very end
+    ("The answer is 7.", "7", False, "truncated"),  # 7. could have been 7.5
+    ("The answer is 7. ", "7", True, "marker"),  # a sentence end and whitespace
+    ("The answer is 7. Let me double-check the", "7", True, "marker"),
+    ("The answer is 7\nLet me double-check", "7", True, "marker"),  # a newline ends it
+    ("Therefore \\boxed{12}", "12", True, "boxed"),  # the closing brace ends it
+    ("So \\boxed{12} is it. Checking: \\boxed{1", "12", False, "truncated"),  # restating when cut
+    ("**Final Answer**\n$18$", "18", False, "truncated"),  # the answer line runs to the cut
+    ("**Final Answer**\n$18$\n", "18", True, "marker"),
+])
+def test_cut_replies_earn_credit_only_for_complete_answers(reply, gold, ok, method):
+    g = grade_gsm8k(reply, gold, "length")
+    assert (g.correct, g.method) == (ok, method), g
+
+
+def test_the_same_replies_that_ended_by_themselves_are_read():
+    assert grade_gsm8k("The answer is 7", "7", "stop").correct
+    assert grade_gsm8k("The final answer is 1,234", "1234", "stop").correct
+    assert grade_math("Therefore the answer is \\boxed{\\frac{1}{2}}", "0.5", "stop").correct
+    assert not grade_math("Therefore the answer is \\boxed{\\frac{1}{2", "0.5", "length").correct
+    item = Item("m", "1", "math", "q", "12")
+    assert grade(item, "The answer is 12", finish_reason="length").method == "truncated"
+    assert grade(item, "The answer is 12", finish_reason="stop").correct
+
+
+def test_cut_reply_reaches_the_grader_through_the_log_record():
+    """The runner grades with the reply's finish reason: the same text scores only when it stopped."""
+    from cotserve.eval.backends import EvalRequest, Output
+    from cotserve.eval.runner import Variant, _record
+
+    item = Item("gsm8k", "x", "gsm8k", "q", "12")
+    job = EvalRequest(("gsm8k", "dense", "x", 0), "q", "dense", {}, 8, 0.0, 1.0, None)
+    for finish, ok in (("length", False), ("stop", True)):
+        rec = _record(item, Variant("dense", "dense"), Output(job, "The answer is 12", "The answer is 12",
+                                                                 finish_reason=finish), None)
+        assert (rec["correct"], rec["finish_reason"]) == (ok, finish)
+
+
+@pytest.mark.parametrize("reply,gold,ok", [
+    ("The answer is not 5.", "5", False),
+    ("The answer is 5. Wait, the answer is not 5.", "5", False),  # retracted
+    ("Hmm, the answer isn't 5. The answer is 7.", "7", True),
+    ("The answer is not 5. The answer is 7.", "5", False),
+    ("Answer: -$5", "-5", True),
+    ("Answer: -$5", "5", False),  # the sign before the currency symbol is kept
+    ("Answer: \\boxed{-\\$5}", "-5", True),
+    ("\\boxed{$-5$}", "-5", True),
+    ("\\boxed{3 \\text{ hours and } 20 \\text{ minutes}}", "3", False),  # a phrase, not the number 3
+    ("\\boxed{3 \\text{ hours and } 20 \\text{ minutes}}", "20", False),
+    ("\\boxed{3 \\text{ hours}}", "3", True),  # one number and its unit
+    ("\\boxed{200}", "200", True),
+])
+def test_gsm8k_false_positives(reply, gold, ok):
+    g = grade_gsm8k(reply, gold, "stop")
+    assert g.correct is ok, g
+
+
+@pytest.mark.parametrize("reply,letter", [
+    ("The answer is not A. It is B.", "B"),
+    ("The answer is A. Wait, no, the answer is not A. It is B.", "B"),
+    ("Answer: C. Hmm, no: not C.", None),  # retracted, and nothing else stated
+    ("Option C is correct. Actually it isn't C. The correct option is D.", "D"),
+    ("So it is A good idea to check.", None),  # an article, not an answer
+])
+def test_multiple_choice_retractions(reply, letter):
+    assert extract_letter(reply, "stop") == letter
+
+
+def test_code_block_cut_by_max_tokens_earns_nothing():
+    meta = {"tests": [{"input": "", "output": "3\n", "testtype": "stdin"}]}
+    cut = "Here:\n```python\nprint(1 + 2)\n"  # the fence never closed
+    g = grade_code(cut, meta, finish_reason="length")
+    assert (g.correct, g.method) == (False, "truncated")
+    closed = cut + "```\nIt prints"
+    g = grade_code(closed, meta, finish_reason="length")
+    assert (g.correct, g.method) == (True, "code_block"), g

@@ -7,13 +7,13 @@ from cotserve.eval.loaders import Item
 
 # Stored with every graded reply; replies graded by another version are graded again from their
 # stored text when a run is resumed (no new generation).
-GRADER_VERSION = "2"
+GRADER_VERSION = "3"
 
 
 def grade(item: Item, text: str, code_limits=None, finish_reason: str | None = None) -> Grade:
     """Grade a model reply (the answer part; reasoning may be included, graders look at the end).
-    `finish_reason` "length" (cut at max_tokens) makes graders refuse to read an answer that is
-    not stated as one (see `cotserve.eval.graders.final`)."""
+    `finish_reason` "length" (cut at max_tokens) makes graders refuse an answer that was not
+    complete before the cut (see `cotserve.eval.graders.final`)."""
     if item.kind == "math":
         from cotserve.eval.graders.math import grade_math
 
@@ -29,7 +29,7 @@ def grade(item: Item, text: str, code_limits=None, finish_reason: str | None = N
     if item.kind == "code":
         from cotserve.eval.graders.code import grade_code
 
-        return grade_code(text, item.meta, limits=code_limits)
+        return grade_code(text, item.meta, limits=code_limits, finish_reason=finish_reason)
     if item.kind == "exact":
         from cotserve.eval.graders.final import find_final
 

@@ -7,7 +7,15 @@ scores it); the first failing test stops the run.
   both are numbers, as exact decimals (`1.50` == `1.5`), as LiveCodeBench's checker does.
 - functional tests (LeetCode): each input line is one JSON argument; the value returned by
   `Solution().<func_name>(*args)` must equal the JSON-decoded expected output (tuples as lists,
-  floats within 1e-9 relative)."""
+  floats within 1e-9 relative).
+
+A reply cut at max_tokens (finish reason `length`) inside its code block earns nothing (method
+`truncated`): the program's end was never written, so the block is not run. A block closed by its
+fence before the cut runs as usual.
+
+Programs run as LiveCodeBench's runner runs them: its import prelude (`from math import *`,
+`from collections import *`, ... `sys.setrecursionlimit(50000)`) comes first, in stdin and
+functional mode alike (`cotserve.eval.sandbox.LCB_PRELUDE`)."""
 
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from typing import Any
 from cotserve.eval.graders.base import Grade
 from cotserve.eval.sandbox import Limits, run_program
 
+_PY = ("python", "python3", "py")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 
 
@@ -29,7 +38,7 @@ def extract_code(text: str) -> str | None:
     blocks = _FENCE.findall(text)
     if not blocks:
         return None
-    py = [b for lang, b in blocks if lang.lower() in ("python", "python3", "py")]
+    py = [b for lang, b in blocks if lang.lower() in _PY]
     code = (py or [b for _, b in blocks])[-1]
     return code if code.strip() else None
 
@@ -103,10 +112,21 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def grade_code(text: str, meta: dict[str, Any], limits: Limits | None = None) -> Grade:
+def _last_block_closed(text: str) -> bool:
+    """The block `extract_code` takes ends with its fence (it is not an unterminated tail)."""
+    blocks = list(_FENCE.finditer(text))
+    py = [b for b in blocks if b.group(1).lower() in _PY]
+    last = (py or blocks)[-1]
+    return text[: last.end()].endswith("```")
+
+
+def grade_code(text: str, meta: dict[str, Any], limits: Limits | None = None,
+               finish_reason: str | None = None) -> Grade:
     code = extract_code(text)
     if code is None:
         return Grade(False, None, "no code block", "none")
+    closed = _last_block_closed(text)
+    if finish_reason == "length" and not closed:
+        return Grade(False, None, "cut at max_tokens inside the code block", "truncated")
     ok, detail = run_tests(code, meta, limits)
-    closed = text.rstrip().endswith("```") or text.count("```") % 2 == 0
     return Grade(ok, code, detail, "code_block" if closed else "unterminated_block")

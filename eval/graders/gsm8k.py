@@ -4,8 +4,11 @@ The answer is read only where the reply states it (`cotserve.eval.graders.final`
 final-answer marker, or the last line of a reply that ended by itself; a reply cut at max_tokens
 without one scores 0. The stated answer is judged whole: a single number (thousands separators,
 `$`, `%` and trailing units ignored) is compared numerically (`18`, `18.0`, `$18.00` all match
-`18`); anything else (`5+13=18`, `20 * 3`) is parsed and checked by math-verify as one
-expression (`5+13=18` -> 18, `20 * 3` -> 60), never by its first or last number."""
+`18`; a sign before a currency symbol is kept: `-$5` is -5); anything else (`5+13=18`, `20 * 3`)
+is parsed and checked by math-verify as one expression (`5+13=18` -> 18, `20 * 3` -> 60), never by
+its first or last number. A boxed or marked answer with more than one number and words (`3 \\text{ hours and }
+20 \\text{ minutes}`, `18 and then 2 more`) is not a number and is never correct: it is not the
+number 3, nor 18."""
 
 from __future__ import annotations
 
@@ -17,11 +20,28 @@ from cotserve.eval.graders.final import find_final
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _OPS = re.compile(r"=|\d\s*[-+*/\u00d7\u00f7^x]\s*\(?-?\d|\\times|\\div|\\cdot|\\frac")
+# a sign written before a currency symbol (`-$5`, `\\$-5` is already plain): the sign moves next to the digits
+_SIGNED_CURRENCY = re.compile(r"([-\u2212+])\s*(?:\\?\$|\u20ac|\u00a3|\u00a5|USD\s*)\s*(?=[\d.])")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+_LATEX_CMD = re.compile(r"\\[A-Za-z]+")
+
+
+def _plain(text: str) -> str:
+    """Spacing macros out, the minus sign as `-`, and a sign before a currency symbol next to its digits."""
+    s = text.replace("\\!", "").replace("\\,", "").replace("\u2212", "-")
+    return _SIGNED_CURRENCY.sub(lambda m: "-" if m.group(1) != "+" else "", s)
+
+
+def worded_numbers(text: str) -> bool:
+    """More than one number and words besides (`3 \\text{ hours and } 20 \\text{ minutes}`): a
+    phrase, not one value."""
+    s = _plain(text)
+    return len(_NUM.findall(s)) > 1 and bool(_WORD.search(_LATEX_CMD.sub(" ", s).replace("{", " ")))
 
 
 def to_number(text: str) -> Decimal | None:
     """The number a short answer string denotes (`\\$1,234.50`, `\\frac{3}{4}`, `25\\%`), or None."""
-    s = text.strip().replace("\\!", "").replace("\\,", "").replace("\\$", "").replace("$", "")
+    s = _plain(text.strip()).replace("\\$", "").replace("$", "")
     s = s.replace("\\%", "").replace("%", "").replace("dfrac", "frac").replace("\\text{", "{")
     frac = re.fullmatch(r"\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s.strip())
     if frac:
@@ -40,7 +60,7 @@ def to_number(text: str) -> Decimal | None:
 
 def single_number(text: str) -> Decimal | None:
     """The number when `text` states exactly one and no calculation (`$1,234.50 total`), else None."""
-    s = text.replace("\\!", "").replace("\\,", "").replace("\\$", "$").replace("\\%", "%")
+    s = _plain(text).replace("\\$", "$").replace("\\%", "%")
     if _OPS.search(s):
         return None
     nums = _NUM.findall(s)
@@ -52,12 +72,16 @@ def single_number(text: str) -> Decimal | None:
         return None
 
 
-def number_equal(pred: str, gold: str) -> tuple[bool, str]:
-    """(equal, how): a single number numerically, else the whole expression by math-verify."""
+def number_equal(pred: str, gold: str, stated: bool = True) -> tuple[bool, str]:
+    """(equal, how): a single number numerically, else the whole expression by math-verify. A
+    stated answer (box or marker) with several numbers and words is no number (`worded`, never
+    equal); `stated=False` (a reply's last line, a sentence) leaves that to math-verify."""
     g = to_number(gold)
     p = single_number(pred)
     if p is not None and g is not None:
         return abs(p - g) <= Decimal("1e-6") * max(Decimal(1), abs(g)), "number"
+    if stated and worded_numbers(pred):
+        return False, "worded"
     from cotserve.eval.graders.math import math_equal
 
     return math_equal(gold, pred), "math-verify"
@@ -75,5 +99,5 @@ def grade_gsm8k(text: str, gold: str, finish_reason: str | None = None) -> Grade
         return Grade(False, None, detail, fin.method)
     if fin.method == "last_line" and not _NUM.search(fin.text):
         return Grade(False, None, "no final answer", "none")
-    ok, how = number_equal(fin.text, gold)
+    ok, how = number_equal(fin.text, gold, stated=fin.method != "last_line")
     return Grade(ok, fin.text, how, fin.method)
