@@ -19,7 +19,7 @@ import torch
 from cotserve.engine.batch import BatchState, ModelInfo
 from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.engine.decoder import LeanDecoder, route_attention
-from cotserve.engine.sampling import SamplingParams, sample_next, token_logprobs
+from cotserve.engine.sampling import SamplingParams, process_logits, sample_next, token_logprobs
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher, encode_chat
 from cotserve.errors import RequestError
 from cotserve.grouping import length_groups
@@ -332,12 +332,18 @@ class NativeEngine:
         if r.forced_ids is not None and len(s.out_ids) < len(r.forced_ids):
             tok = int(r.forced_ids[len(s.out_ids)])
         else:
-            tok = greedy if r.sampling.temperature <= 0 else sample_next(logits, r.sampling, s.generator)
+            picked = logits
+            if r.sampling.processes_logits:  # bias, min_tokens, penalties: the argmax moves too
+                picked = process_logits(logits, r.sampling, r.prompt_ids, s.out_ids, self.eos_ids)
+                if r.sampling.temperature <= 0:
+                    greedy = int(torch.argmax(picked))
+            tok = greedy if r.sampling.temperature <= 0 else sample_next(picked, r.sampling, s.generator)
         s.out_ids.append(tok)
         sp = r.sampling
         if sp.logprobs is not None:
             s.last_lp = token_logprobs(logits, tok, sp.logprobs)
-        if tok in sp.stop_token_ids or (tok in self.eos_ids and not sp.ignore_eos):
+        if len(s.out_ids) > sp.min_tokens and (tok in sp.stop_token_ids
+                                               or (tok in self.eos_ids and not sp.ignore_eos)):
             s.finish = "stop"
             return tok, s.stops.feed(s.detok.flush()) + s.stops.finish()
         text = s.stops.feed(s.detok.push(tok))

@@ -6,12 +6,15 @@ from dataclasses import dataclass, field
 
 
 def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
     """Prompt token ids for chat messages: the tokenizer's chat template with the generation
-    prompt added (and `tools`, for templates that render them), or the contents joined by
-    newlines when the model has no template."""
+    prompt added (and `tools`, for templates that render them; `template_kwargs`: extra template
+    variables, e.g. enable_thinking), or the contents joined by newlines when the model has no
+    template."""
     if getattr(tokenizer, "chat_template", None):
-        kwargs = {"tools": tools} if tools else {}
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                             **kwargs)
         if hasattr(out, "keys"):

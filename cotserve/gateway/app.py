@@ -88,13 +88,14 @@ class PromptBuilder:
         return cls(AutoTokenizer.from_pretrained(str(path)), ctx, str(path), ServedModel.from_config(spec, cfg))
 
     def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               prefix: str = "") -> list[int]:
+               prefix: str = "", template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids: the template over the history (tools natively or by the fallback), then
-        `prefix` (a forced start of the reply) as plain text."""
+        `prefix` (a forced start of the reply) as plain text. `template_kwargs`: the request's
+        chat_template_kwargs (extra template variables)."""
         if self.native_tools:
-            ids = encode_chat(self.tokenizer, native_history(messages), tools)
+            ids = encode_chat(self.tokenizer, native_history(messages), tools, template_kwargs=template_kwargs)
         else:
-            ids = encode_chat(self.tokenizer, fallback_history(messages, tools))
+            ids = encode_chat(self.tokenizer, fallback_history(messages, tools), template_kwargs=template_kwargs)
         if prefix:
             ids = ids + self.tokenizer.encode(prefix, add_special_tokens=False)
         return ids

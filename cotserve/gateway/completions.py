@@ -2,10 +2,12 @@
 
 `/v1/completions` takes one raw prompt (a string or token ids; no chat template, no reasoning
 split) and returns OpenAI's legacy `text_completion` object, whole or as SSE chunks. Supported:
-max_tokens (default: the rest of the context), temperature, top_p, top_k, seed, stop, n, logprobs
+max_tokens (default: the rest of the context), temperature, top_p, top_k, min_p, seed, stop,
+stop_token_ids, min_tokens, presence/frequency/repetition penalties, logit_bias, n, logprobs
 (0..20, OpenAI's legacy form), stream with include_usage, ignore_eos and the `cotserve` policy
-object. Not supported, with a 400 naming the field: echo, suffix, best_of > n, several prompts in
-one request.
+object. Not supported, with a 400 naming the field: echo, suffix, best_of other than n, priority
+other than 0, response_format other than text, structured_outputs / guided_*, chat_template_kwargs,
+several prompts in one request.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fastapi.responses import JSONResponse
 from cotserve import __version__
 from cotserve.errors import redact_paths
 from cotserve.gateway.errors import APIError
-from cotserve.gateway.jobs import JobFactory
+from cotserve.gateway.jobs import JobFactory, refuse_unserved, template_kwargs
 from cotserve.gateway.metrics import Metrics
 from cotserve.gateway.output import TokenText, completion_logprobs
 from cotserve.gateway.relay import JobRelay
@@ -94,11 +96,12 @@ def install(app: FastAPI, rt: Runtime) -> None:
                 if isinstance(m.get("content"), list):
                     m["content"] = "\n".join(part.get("text") or "" for part in m["content"])
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            kwargs = template_kwargs(body.chat_template_kwargs)
             try:
                 if prompts.native_tools:
-                    ids = encode_chat(tok, native_history(msgs), tools, body.add_generation_prompt)
+                    ids = encode_chat(tok, native_history(msgs), tools, body.add_generation_prompt, kwargs)
                 else:
-                    ids = encode_chat(tok, fallback_history(msgs, tools), None, body.add_generation_prompt)
+                    ids = encode_chat(tok, fallback_history(msgs, tools), None, body.add_generation_prompt, kwargs)
             except Exception as exc:
                 raise APIError(400, f"cannot apply the chat template: {redact_paths(str(exc))}", param="messages") from exc
         out: dict[str, Any] = {"count": len(ids), "max_model_len": prompts.context_len, "tokens": list(ids)}
@@ -123,11 +126,13 @@ def install(app: FastAPI, rt: Runtime) -> None:
     async def completion(body: CompletionRequest, request: Request):
         rt.jobs.check_model(body.model)
         for name, bad in (("echo", body.echo), ("suffix", body.suffix),
-                          ("best_of", body.best_of is not None and body.best_of != (body.n or 1)),
-                          ("tools", body.tools is not None), ("tool_choice", body.tool_choice is not None)):
+                          ("tools", body.tools is not None), ("tool_choice", body.tool_choice is not None),
+                          ("chat_template_kwargs", body.chat_template_kwargs is not None)):
             if bad:
-                where = " on /v1/completions (tools work on /v1/chat/completions)" if name.startswith("tool") else ""
+                where = (" on /v1/completions (it works on /v1/chat/completions)"
+                         if name.startswith(("tool", "chat_template")) else "")
                 raise APIError(400, f"{name} is not supported{where}", param=name, code="invalid_value")
+        refuse_unserved(body)
         ids = prompt_ids(body, tok)
         policy, options = rt.jobs.policy_of(body.cotserve)
         sampling = rt.jobs.sampling_of(body, len(ids), body.max_tokens, "max_tokens", body.logprobs, "prompt")

@@ -82,6 +82,43 @@ def tool_plan(req: ChatCompletionRequest, parser_name: str) -> tuple[list[dict[s
     return tools, plan
 
 
+STRUCTURED = "structured decoding (JSON, regex, choice or grammar constrained output) is not implemented"
+# chat_template_kwargs that would replace the server's own arguments of apply_chat_template
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "return_dict",
+    "return_tensors", "add_generation_prompt", "continue_final_message", "tokenizer_kwargs", "padding",
+    "truncation", "max_length", "return_assistant_tokens_mask"})
+
+
+def refuse_unserved(body) -> None:
+    """400 naming the first field asked for that this server does not do (it never answers a
+    request for JSON with free text): response_format other than text, structured_outputs and
+    guided_*, best_of other than n, priority other than 0."""
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        raise APIError(400, f"response_format {fmt.type!r} is not supported: {STRUCTURED}; only "
+                       "{'type': 'text'} is", param="response_format", code="invalid_value")
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(body, name) is not None:
+            raise APIError(400, f"{name} is not supported: {STRUCTURED}", param=name, code="invalid_value")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise APIError(400, "best_of is not supported beyond n (give best_of equal to n, or leave it out)",
+                       param="best_of", code="invalid_value")
+    if body.priority not in (None, 0):
+        raise APIError(400, "priority is not supported: requests are served in arrival order (give 0 or "
+                       "leave it out)", param="priority", code="invalid_value")
+
+
+def template_kwargs(value: dict[str, Any] | None) -> dict[str, Any]:
+    """The request's chat_template_kwargs, with the server's own arguments refused."""
+    kwargs = dict(value or {})
+    bad = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise APIError(400, f"chat_template_kwargs cannot set {bad[0]!r} (the server sets it)",
+                       param=f"chat_template_kwargs.{bad[0]}", code="invalid_value")
+    return kwargs
+
+
 class JobFactory:
     """Turns requests into jobs for one server (`settings`, `prompts`)."""
 
@@ -139,10 +176,53 @@ class JobFactory:
         if seed is None and temperature > 0:
             seed, drawn = secrets.randbits(62), True  # server-drawn: a retry on another worker can resume the stream
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        return {"max_tokens": max_tokens, "temperature": temperature,
-                "top_p": settings.default_top_p if body.top_p is None else body.top_p,
-                "top_k": settings.default_top_k if body.top_k is None else body.top_k, "seed": seed, "stop": stop,
-                "ignore_eos": body.ignore_eos, "logprobs": logprobs, "n": n, **({"seed_drawn": True} if drawn else {})}
+        out = {"max_tokens": max_tokens, "temperature": temperature,
+               "top_p": settings.default_top_p if body.top_p is None else body.top_p,
+               "top_k": settings.default_top_k if body.top_k is None else body.top_k, "seed": seed, "stop": stop,
+               "ignore_eos": body.ignore_eos, "logprobs": logprobs, "n": n, **({"seed_drawn": True} if drawn else {})}
+        out.update(self.decoding_of(body, max_tokens))
+        return out
+
+    def decoding_of(self, body, max_tokens: int) -> dict[str, Any]:
+        """The request's penalties, min_p, min_tokens, stop_token_ids and logit_bias, as job sampling
+        settings (SamplingParams fields); only those that differ from the defaults, so a job
+        without them is the same as before they existed."""
+        vocab = len(self.prompts.tokenizer)
+        out: dict[str, Any] = {}
+        for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("min_p", 0.0)):
+            value = getattr(body, name)
+            if value is not None and value != default:
+                out[name] = float(value)
+        if body.min_tokens:
+            if body.min_tokens > max_tokens:
+                raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
+                               param="min_tokens", code="invalid_value")
+            out["min_tokens"] = body.min_tokens
+        if body.stop_token_ids:
+            bad = [t for t in body.stop_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                               param="stop_token_ids", code="invalid_value")
+            out["stop_token_ids"] = list(body.stop_token_ids)
+        if body.logit_bias:
+            bias: dict[str, float] = {}
+            for key, value in body.logit_bias.items():
+                try:
+                    tid = int(key)
+                except ValueError:
+                    tid = -1
+                if not 0 <= tid < vocab:
+                    raise APIError(400, f"logit_bias key {key!r} is not a token id of the vocabulary "
+                                   f"(0..{vocab - 1})", param="logit_bias", code="invalid_value")
+                if not -100 <= value <= 100:
+                    raise APIError(400, f"logit_bias of token {key} is {value}; biases are in [-100, 100]",
+                                   param="logit_bias", code="invalid_value")
+                if value:
+                    bias[str(tid)] = float(value)
+            if bias:
+                out["logit_bias"] = bias
+        return out
 
     def new_job(self, ids: list[int], sampling: dict[str, Any], policy: str, options: dict[str, Any],
                 prefix: str = "chatcmpl-") -> Job:
@@ -160,6 +240,8 @@ class JobFactory:
             if getattr(body, name) is not None:
                 raise APIError(400, f"{name} is deprecated and not supported; send {new}", param=name,
                                code="invalid_value")
+        refuse_unserved(body)
+        kwargs = template_kwargs(body.chat_template_kwargs)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         messages = chat_messages(body)
@@ -169,7 +251,7 @@ class JobFactory:
         plan.logprobs, plan.top_logprobs = body.logprobs, body.top_logprobs or 0
         policy, options = self.policy_of(body.cotserve)
         try:
-            ids = await run_in_threadpool(self.prompts.encode, messages, tools, plan.call_prefix)
+            ids = await run_in_threadpool(self.prompts.encode, messages, tools, plan.call_prefix, kwargs)
         except Exception as exc:  # a template that rejects this conversation
             raise APIError(400, f"cannot apply the chat template: {redact_paths(str(exc))}", param="messages") from exc
         asked = body.max_completion_tokens or body.max_tokens

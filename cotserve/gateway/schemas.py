@@ -83,6 +83,48 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="Only 'text' is served; 'json_object' and 'json_schema' are refused (400): structured "
+                    "decoding is not implemented.")
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingFields(BaseModel):
+    """Sampling and decoding fields shared by chat and text completions (OpenAI's and vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Minus this for each token already "
+                                           "generated (once per distinct token).")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Minus this times the count of each "
+                                            "token in the generated text.")
+    repetition_penalty: float | None = Field(None, gt=0, description="Extension (as in vLLM): logits of "
+                                             "prompt and generated tokens divided (when positive) or multiplied "
+                                             "by it; 1 = off.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension (as in vLLM): drop tokens less likely "
+                                "than min_p times the most likely one.")
+    min_tokens: StrictInt | None = Field(None, ge=0, description="Extension (as in vLLM): no end-of-sequence or "
+                                         "stop_token_ids before this many tokens.")
+    stop_token_ids: list[StrictInt] | None = Field(None, description="Extension (as in vLLM): token ids that end "
+                                                   "the completion.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
+                                                "added to its logit.")
+    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}; JSON modes are "
+                                                   "refused (400).")
+    best_of: StrictInt | None = Field(None, ge=1, description="Only equal to n (or null); more is refused (400).")
+    priority: StrictInt | None = Field(None, description="Extension (as in vLLM): only 0 (or null); scheduling "
+                                       "priorities are refused (400).")
+    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's structured decoding: refused (400).")
+    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's older structured decoding: refused "
+                                                     "(400).")
+    guided_regex: str | None = Field(None, description="Refused (400), as guided_json.")
+    guided_choice: list[str] | None = Field(None, description="Refused (400), as guided_json.")
+    guided_grammar: str | None = Field(None, description="Refused (400), as guided_json.")
+
+    _sampling_integers = field_validator("min_tokens", "stop_token_ids", "best_of", "priority", mode="before")(_integral)
+
+
 class CotserveOptions(BaseModel):
     """Per-request policy (sent as `extra_body={"cotserve": {...}}` from the openai SDK)."""
 
@@ -91,7 +133,7 @@ class CotserveOptions(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict, description="Policy options, e.g. {'k': 1024}.")
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="ignore")
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -117,12 +159,15 @@ class ChatCompletionRequest(BaseModel):
                                                    "(400); send tools.")
     function_call: str | dict[str, Any] | None = Field(None, description="Deprecated: refused (400); send "
                                                        "tool_choice.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extension (as in vLLM): extra "
+                                                        "variables of the chat template, e.g. {'enable_thinking': "
+                                                        "false}.")
     cotserve: CotserveOptions | None = None
 
     _integers = field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "top_logprobs", mode="before")(_integral)
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingFields):
     """Legacy text completions: a raw prompt, no chat template."""
 
     model_config = ConfigDict(extra="ignore")
@@ -141,15 +186,16 @@ class CompletionRequest(BaseModel):
     echo: StrictBool = Field(False, description="Not supported (true is refused).")
     logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Top log-probabilities per token (0..20).")
     suffix: str | None = Field(None, description="Not supported.")
-    best_of: StrictInt | None = Field(None, description="Not supported beyond n.")
     user: str | None = None
     ignore_eos: StrictBool = False
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported on text completions: refused (400); "
                                                "tools work on /v1/chat/completions.")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Refused (400), as tools.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Refused (400): text completions apply "
+                                                        "no chat template.")
     cotserve: CotserveOptions | None = None
 
-    _integers = field_validator("prompt", "max_tokens", "top_k", "seed", "n", "logprobs", "best_of", mode="before")(_integral)
+    _integers = field_validator("prompt", "max_tokens", "top_k", "seed", "n", "logprobs", mode="before")(_integral)
 
 
 class TokenizeRequest(BaseModel):
@@ -162,6 +208,8 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages: extra variables of the "
+                                                        "chat template.")
     return_token_strs: StrictBool = False
 
 

