@@ -640,7 +640,7 @@ def bench_capacity(
 
 @app.command("eval")
 def eval_cmd(
-    suite: Annotated[str, typer.Option(help="Comma-separated: gsm8k, math500, aime24, gpqa, livecodebench, "
+    suite: Annotated[str, typer.Option(help="Comma-separated: gsm8k, math500, aime24, aime25, gpqa, livecodebench, "
                                        "or custom:PATH\\[:QUESTION_FIELD\\[:ANSWER_FIELD\\[:KIND\\[:ID_FIELD]]]].")] = "gsm8k",
     out: Annotated[str, typer.Option(help="Output folder (results.json, predictions.jsonl, report.md, PNGs); "
                                      "an existing run there is resumed.")] = "out/eval",
@@ -661,11 +661,21 @@ def eval_cmd(
                                               "(default smollm2-135m-instruct). Endpoint: model name sent "
                                               "(default: the first of /v1/models).")] = None,
     limit: Annotated[int | None, typer.Option(help="First N items of each suite.")] = None,
-    samples: Annotated[int, typer.Option(help="Replies per item (pass@1 is their mean).")] = 1,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: float = 1.0,
+    samples: Annotated[int, typer.Option(help="Replies per item: pass@k, avg@n and maj@n, intervals over items.")] = 1,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy (default 0, or the --preset's).")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Default 1.0, or the --preset's.")] = None,
     seed: Annotated[int, typer.Option(help="Base seed; each item/sample gets a fixed seed from it.")] = 0,
-    max_tokens: Annotated[int, typer.Option(help="Maximum generated tokens per reply.")] = 2048,
+    max_tokens: Annotated[int | None, typer.Option(help="Maximum generated tokens per reply (default 2048, or the "
+                                                   "--preset's).")] = None,
+    preset: Annotated[str, typer.Option(help="Sampling preset: none, model (the model's generation_config.json) or "
+                                        "r1 (that file, else temperature 0.6, top-p 0.95, 32768 tokens); flags "
+                                        "given win.")] = "none",
+    sandbox: Annotated[str, typer.Option(help="Code sandbox: auto (bubblewrap, else refuse), bwrap, unsafe-unshare "
+                                         "or unsafe-none.")] = "auto",
+    date_from: Annotated[str | None, typer.Option(help="LiveCodeBench: problems from this contest date "
+                                                  "(YYYY-MM-DD).")] = None,
+    date_to: Annotated[str | None, typer.Option(help="LiveCodeBench: problems up to this contest date, "
+                                                "inclusive.")] = None,
     concurrency: Annotated[int, typer.Option(help="Requests in flight (endpoint mode).")] = 8,
     max_batch: Annotated[int, typer.Option(help="Sequences per batch (local mode).")] = 8,
     code_timeout: Annotated[float, typer.Option(help="LiveCodeBench: wall seconds per test.")] = 6.0,
@@ -693,7 +703,8 @@ def eval_cmd(
             max_tokens=max_tokens, samples=samples, temperature=temperature, top_p=top_p, seed=seed, out=out,
             fresh=fresh, max_batch=max_batch, device=device, dtype=dtype, code_timeout=code_timeout,
             code_memory_mb=code_memory_mb, progress=progress, threads=threads, redundancy=redundancy,
-            redundancy_model=redundancy_model, report_only=report_only, api=api,
+            redundancy_model=redundancy_model, report_only=report_only, api=api, preset=preset, sandbox=sandbox,
+            date_from=date_from, date_to=date_to,
         )
     except CotserveError as exc:
         fail(str(exc))

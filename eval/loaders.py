@@ -126,6 +126,7 @@ def _lcb(row: dict[str, Any], idx: int, suite: str) -> Item:
         "platform": row.get("platform"),
         "difficulty": row.get("difficulty"),
         "title": row.get("question_title"),
+        "contest_date": row.get("contest_date"),
     }
     rid = str(row.get("question_id", f"{suite}-{idx}"))
     return Item(suite, rid, "code", str(row["question_content"]), "", meta)
@@ -135,13 +136,14 @@ SUITES: dict[str, SuiteSpec] = {
     "gsm8k": SuiteSpec("gsm8k", "gsm8k", "gsm8k_test.jsonl", ("openai/gsm8k", "main", "test"), _gsm8k),
     "math500": SuiteSpec("math500", "math", "math500_test.jsonl", ("HuggingFaceH4/MATH-500", None, "test"), _math),
     "aime24": SuiteSpec("aime24", "math", "aime2024.jsonl", ("HuggingFaceH4/aime_2024", None, "train"), _aime),
+    "aime25": SuiteSpec("aime25", "math", "aime2025.jsonl", ("math-ai/aime25", None, "test"), _aime),
     "gpqa": SuiteSpec("gpqa", "gpqa", "gpqa_diamond.jsonl", ("Idavidrein/gpqa", "gpqa_diamond", "train"), _gpqa),
     "livecodebench": SuiteSpec(
         "livecodebench", "code", "livecodebench_v1_public.jsonl",
         ("livecodebench/code_generation_lite", "release_v1", "test"), _lcb,
     ),
 }
-ALIASES = {"math-500": "math500", "aime": "aime24", "aime2024": "aime24", "gpqa_diamond": "gpqa",
+ALIASES = {"math-500": "math500", "aime": "aime24", "aime2024": "aime24", "aime2025": "aime25", "gpqa_diamond": "gpqa",
            "gpqa-diamond": "gpqa", "lcb": "livecodebench"}
 KINDS = ("math", "gsm8k", "gpqa", "code", "exact")
 
@@ -209,13 +211,59 @@ def parse_suites(text: str) -> list[SuiteRef]:
     return refs
 
 
-def load_suite(ref: SuiteRef, data_dir: Path | None, source: str = "local", limit: int | None = None) -> list[Item]:
-    """Items of one suite, in file order; `limit` keeps the first N.
+@dataclass(frozen=True)
+class DateWindow:
+    """`--date-from` / `--date-to` (YYYY-MM-DD, both inclusive): LiveCodeBench problems whose
+    `contest_date` falls inside; a problem without a date is outside any window."""
+
+    start: str | None = None
+    end: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.start is not None or self.end is not None
+
+    def holds(self, date: Any) -> bool:
+        day = str(date or "")[:10]
+        if not _DAY.fullmatch(day):
+            return False
+        return (self.start is None or day >= self.start) and (self.end is None or day <= self.end)
+
+    def describe(self) -> str:
+        return f"{self.start or '...'} to {self.end or '...'}"
+
+
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def parse_window(date_from: str | None, date_to: str | None) -> DateWindow:
+    import datetime as dt
+
+    for flag, value in (("--date-from", date_from), ("--date-to", date_to)):
+        if value is None:
+            continue
+        try:
+            dt.date.fromisoformat(value)
+        except ValueError:
+            raise CotserveError(f"{flag} {value!r}: expected a date YYYY-MM-DD") from None
+        if not _DAY.fullmatch(value):
+            raise CotserveError(f"{flag} {value!r}: expected a date YYYY-MM-DD")
+    if date_from and date_to and date_from > date_to:
+        raise CotserveError(f"--date-from {date_from} is after --date-to {date_to}")
+    return DateWindow(date_from, date_to)
+
+
+def load_suite(ref: SuiteRef, data_dir: Path | None, source: str = "local", limit: int | None = None,
+               window: DateWindow | None = None) -> list[Item]:
+    """Items of one suite, in file order; `window` keeps the code problems of a contest-date
+    window (other kinds are not dated and are kept whole), then `limit` keeps the first N.
 
     source: `local` (the data directory), `hf` (Hugging Face), or `auto` (local when the file is
     there, else hf)."""
+    dated = bool(window) and (ref.spec.kind if ref.spec is not None else ref.kind) == "code"
     if ref.spec is None:
         items = _load_custom(ref)
+        if dated:
+            items = [it for it in items if window.holds(it.meta.get("contest_date"))]
     else:
         spec = ref.spec
         path = data_dir / spec.file if data_dir is not None else None
@@ -223,7 +271,7 @@ def load_suite(ref: SuiteRef, data_dir: Path | None, source: str = "local", limi
         if use_local:
             if path is None or not path.is_file():
                 raise CotserveError(f"suite {spec.name}: {spec.file} not found in the data directory "
-                                    f"({data_dir}); pass --data-dir or use --data-source hf")
+                                    f"({data_dir}){_what(spec)}; pass --data-dir or use --data-source hf")
             rows: Iterable[dict[str, Any]] = read_jsonl(path)
         elif source in ("hf", "auto"):
             rows = (_from_hf(spec.name, r) for r in load_hf_rows(*spec.hf))
@@ -234,9 +282,11 @@ def load_suite(ref: SuiteRef, data_dir: Path | None, source: str = "local", limi
             if limit is not None and len(items) >= limit:
                 break
             try:
-                items.append(spec.from_row(row, i, spec.name))
+                item = spec.from_row(row, i, spec.name)
             except (KeyError, TypeError, ValueError, SyntaxError) as exc:
                 raise CotserveError(f"suite {spec.name}: row {i} does not match the expected fields ({exc})") from None
+            if not dated or window.holds(item.meta.get("contest_date")):
+                items.append(item)
     if limit is not None:
         items = items[:limit]
     ids = [it.id for it in items]
@@ -256,12 +306,23 @@ def check_suite(ref: SuiteRef, data_dir: Path | None, source: str = "local") -> 
         path = data_dir / ref.spec.file if data_dir is not None else None
         if path is None or not path.is_file():
             raise CotserveError(f"suite {ref.spec.name}: {ref.spec.file} not found in the data directory "
-                                f"({data_dir}); pass --data-dir or use --data-source hf")
+                                f"({data_dir}){_what(ref.spec)}; pass --data-dir or use --data-source hf")
+
+
+_FILE_ABOUT = {
+    "aime25": " (AIME 2025 I and II as JSONL, one problem a line with `id`, `problem` and `answer`, "
+              "as aime2024.jsonl)",
+}
+
+
+def _what(spec: SuiteSpec) -> str:
+    """What the missing file should hold, for suites whose file is not in every data directory."""
+    return _FILE_ABOUT.get(spec.name, "")
 
 
 def _from_hf(suite: str, row: dict[str, Any]) -> dict[str, Any]:
     """Map a Hugging Face row onto the local schema where the names differ."""
-    if suite == "aime24" and "problem" not in row and "Problem" in row:
+    if suite in ("aime24", "aime25") and "problem" not in row and "Problem" in row:
         row = {"id": row.get("ID"), "problem": row["Problem"], "answer": row["Answer"]}
     return row
 
@@ -289,7 +350,7 @@ def _load_custom(ref: SuiteRef) -> list[Item]:
             answer = _letter_of(answer, meta["choices"])
         if ref.kind == "code":
             meta = {"starter_code": row.get("starter_code", ""), "tests": row.get("tests", []),
-                    "func_name": row.get("func_name")}
+                    "func_name": row.get("func_name"), "contest_date": row.get("contest_date")}
         items.append(Item(ref.name, rid, ref.kind, str(row[ref.question_field]), str(answer), meta))
     return items
 

@@ -1,8 +1,10 @@
 """Aggregation and outputs: `results.json`, `report.md` (side-by-side tables), PNG plots.
 
 Per suite and policy variant:
-- accuracy: pass@1 = correct / graded replies (with `--samples S`, the mean over S samples per
-  item), with a 95% Wilson score interval (Wilson 1927) over all graded replies;
+- accuracy: avg@n, the mean over items of each item's share of correct replies (with one sample,
+  correct / graded items), with a 95% interval that treats an item as one unit (a t-interval over
+  the per-item scores, `cotserve.eval.sampling`), and with `--samples n` also pass@k (unbiased
+  estimator) and maj@n, each with its interval over items;
 - generated tokens: mean and median, and for models that think, reasoning and answer separately;
 - throughput: generated tokens / wall time, where wall time is the union of the intervals during
   which the variant's requests were in flight (so concurrency overlaps, and the pauses between
@@ -21,17 +23,6 @@ from pathlib import Path
 from typing import Any
 
 TIMING_KEYS = {"prefill_s", "decode_s", "decode_tok_s"}
-
-
-def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval for a binomial proportion."""
-    if n == 0:
-        return (0.0, 0.0)
-    p = successes / n
-    denom = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (max(0.0, center - half), min(1.0, center + half))
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -71,10 +62,15 @@ def latency(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def aggregate(records: list[dict[str, Any]], errors: int = 0, n_items: int = 0) -> dict[str, Any]:
+def aggregate(records: list[dict[str, Any]], errors: int = 0, n_items: int = 0, samples: int = 1,
+              kind: str | None = None) -> dict[str, Any]:
+    from cotserve.eval.sampling import sample_metrics
+
     n = len(records)
     correct = sum(bool(r["correct"]) for r in records)
-    lo, hi = wilson(correct, n)
+    metrics = sample_metrics(records, samples, kind)
+    avg = metrics[f"avg@{samples}"]
+    lo, hi = avg["ci95"]
     toks = [r["completion_tokens"] for r in records]
     thinks = any(r.get("thinks") for r in records)
     wall = union_seconds([(r["t_start"], r["t_end"]) for r in records])
@@ -97,8 +93,9 @@ def aggregate(records: list[dict[str, Any]], errors: int = 0, n_items: int = 0) 
         finish[r.get("finish_reason") or "?"] = finish.get(r.get("finish_reason") or "?", 0) + 1
     out: dict[str, Any] = {
         "n": n, "items": n_items, "correct": correct,
-        "accuracy": round(correct / n, 4) if n else None,
+        "accuracy": avg["value"],
         "ci95": [round(lo, 4), round(hi, 4)],
+        "metrics": metrics,
         "generated_tokens": _stats(toks),
         "thinks": thinks,
         "wall_s": round(wall, 3),
@@ -128,12 +125,13 @@ def _count(values) -> dict[str, int]:
 
 def write_outputs(out: Path, records: list[dict[str, Any]], errors: dict[tuple[str, str], int],
                   suites: list[str], variants, meta: dict[str, Any], n_items: dict[str, int],
-                  redundancy_model: str | None = None) -> dict[str, Any]:
+                  redundancy_model: str | None = None, kinds: dict[str, str] | None = None) -> dict[str, Any]:
     runs = []
+    samples = int(meta.get("samples") or 1)
     for s in suites:
         for v in variants:
             recs = [r for r in records if r["suite"] == s and r["policy"] == v.label]
-            agg = aggregate(recs, errors.get((s, v.label), 0), n_items.get(s, 0))
+            agg = aggregate(recs, errors.get((s, v.label), 0), n_items.get(s, 0), samples, (kinds or {}).get(s))
             runs.append({"suite": s, "policy": v.label, "spec": v.policy, "options": v.options, **agg})
     results = {"meta": meta, "suites": suites, "policies": [v.label for v in variants], "runs": runs}
     from cotserve.eval.redundancy import maybe_report
@@ -232,32 +230,100 @@ def _redundancy_section(results: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+NONDETERMINISM = (
+    "Two runs of the same greedy request (temperature 0) may still differ: the batch a request shares "
+    "changes the shapes and the order of the floating-point sums (batch size, padding, prompt-length "
+    "grouping, concurrency through an endpoint), the dtype rounds differently (bfloat16 or float16 against "
+    "float32), and each engine and kernel (the native engine or vLLM, CPU or CUDA, attention kernels and "
+    "their versions) adds up in its own order; once one token differs, the rest of the reply follows "
+    "another path. Compare policies within one run, on one engine, dtype and batch setting."
+)
+
+
+def _sandbox_line(sbx: dict[str, Any] | None) -> list[str]:
+    if not sbx:
+        return []
+    bw = f" ({sbx['bwrap_version']})" if sbx.get("mode") == "bwrap" and sbx.get("bwrap_version") else ""
+    return [f"- code sandbox: {sbx['mode']}{bw}; per test {sbx['timeout_s']} s wall / {sbx['cpu_s']} s CPU, "
+            f"{sbx['memory_mb']} MiB memory, {sbx['max_output_mb']} MiB output, {sbx['max_processes']} processes, "
+            f"network {sbx['network']}; LiveCodeBench's import prelude"
+            + ("" if sbx.get("mode") == "bwrap" else "; UNSAFE: the programs could read this machine's files")]
+
+
+def _sampling_lines(meta: dict[str, Any], gen: dict[str, Any]) -> list[str]:
+    src = (meta.get("sampling") or {}).get("sources") or {}
+    preset = (meta.get("sampling") or {}).get("preset")
+
+    def val(key: str) -> str:
+        return f"{gen.get(key)}" + (f" ({src[key]})" if key in src else "")
+
+    line = (f"- max_tokens {val('max_tokens')}, temperature {val('temperature')}, top_p {val('top_p')}, "
+            f"samples {meta.get('samples')}, limit {meta.get('limit')}, data source {meta.get('data_source')}")
+    out = [line]
+    if preset and preset != "none":
+        out.append(f"- sampling preset: {preset}")
+    if meta.get("date_window"):
+        out.append(f"- LiveCodeBench contest dates: {meta['date_window']}")
+    return out
+
+
+def _sampling_section(results: dict[str, Any]) -> list[str]:
+    """pass@k, avg@n and maj@n per suite, with intervals over items (only with --samples > 1)."""
+    samples = int(results["meta"].get("samples") or 1)
+    if samples < 2:
+        return []
+    pols = results["policies"]
+    get = {(r["suite"], r["policy"]): r for r in results["runs"]}
+    lines = ["## Sampling", "",
+             f"{samples} samples per item. pass@k is the unbiased estimator 1 - C(n-c,k)/C(n,k) per item, "
+             f"avg@{samples} the mean score, maj@{samples} the majority vote over the extracted answers; each "
+             "is averaged over items, in % with a 95% t-interval over the per-item scores (an item's samples "
+             "count as one unit).", ""]
+    if (results["meta"].get("generation") or {}).get("temperature") == 0:
+        lines += [f"> Temperature 0 with {samples} samples: greedy decoding repeats one reply, so pass@k and "
+                  "maj@n add nothing over pass@1.", ""]
+    lines += ["| suite | metric | " + " | ".join(pols) + " |", "|---|---|" + "---|" * len(pols)]
+    for s in results["suites"]:
+        names: list[str] = []
+        for p in pols:
+            for k in get[(s, p)].get("metrics", {}):
+                if k not in names:
+                    names.append(k)
+        for name in names:
+            cells = []
+            for p in pols:
+                m = get[(s, p)].get("metrics", {}).get(name)
+                cells.append("–" if not m or m["value"] is None else
+                             f"{100 * m['value']:.1f} [{100 * m['ci95'][0]:.1f}, {100 * m['ci95'][1]:.1f}]")
+            lines.append(f"| {s} | {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def render_markdown(results: dict[str, Any], plots: list[Path]) -> str:
     meta, pols, runs = results["meta"], results["policies"], results["runs"]
     gen, be = meta.get("generation", {}), meta.get("backend", {})
     where = be.get("endpoint") or f"local native engine ({be.get('device', '?')}, {be.get('dtype', '?')})"
-    lines = [
-        "# cotserve eval report", "",
-        f"- model: `{gen.get('model')}` via {where}",
-        f"- max_tokens {gen.get('max_tokens')}, temperature {gen.get('temperature')}, top_p {gen.get('top_p')}, "
-        f"samples {meta.get('samples')}, limit {meta.get('limit')}, data source {meta.get('data_source')}",
-        f"- finished {meta.get('finished_at')}",
-    ]
+    lines = ["# cotserve eval report", "", f"- model: `{gen.get('model')}` via {where}",
+             *_sampling_lines(meta, gen), *_sandbox_line(meta.get("sandbox")),
+             f"- finished {meta.get('finished_at')}"]
     if meta.get("command"):
         lines.append(f"- command: `{meta['command']}`")
     if meta.get("threads"):
         lines.append(f"- torch CPU threads: {meta['threads']}")
-    lines += ["", "Accuracy is pass@1 in % with its 95% Wilson interval. Throughput is generated tokens per "
-              "second of wall time; decode tok/s is the mean per-request decode rate. Answers are read only "
-              "where a reply states them (box, final-answer marker, or the last line of a reply that ended by "
-              "itself); *answer extraction* gives the share of replies per method, where `truncated` (cut at "
-              "max_tokens before a final answer) and `none` score 0.", ""]
+    lines += ["", "Accuracy is the mean score over items (pass@1; with several samples, avg@n) in % with a 95% "
+              "t-interval over the per-item scores, so an item's samples count as one unit. Throughput is "
+              "generated tokens per second of wall time; decode tok/s is the mean per-request decode rate. "
+              "Answers are read only where a reply states them (box, final-answer marker, or the last line of a "
+              "reply that ended by itself); a reply cut at max_tokens earns credit only for an answer completed "
+              "before the cut. *answer extraction* gives the share of replies per method, where `truncated` (cut "
+              "at max_tokens before a complete final answer) and `none` score 0.", "", NONDETERMINISM, ""]
     lines += _mixed_note(results)
     get = {(r["suite"], r["policy"]): r for r in runs}
     lines += ["## Accuracy", "", "| suite | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
     for s in results["suites"]:
         lines.append(f"| {s} | " + " | ".join(_acc(get[(s, p)]) for p in pols) + " |")
     lines.append("")
+    lines += _sampling_section(results)
     for s in results["suites"]:
         rs = [get[(s, p)] for p in pols]
         lines += [f"## {s}", "", "| metric | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]

@@ -6,6 +6,11 @@ id, sample) is appended as one line the moment it is graded, and a later run wit
 settings (model/endpoint, max_tokens, temperature, top_p, seed) and each variant's policy and
 options are recorded in `run_config.json`; resuming with different ones is refused, since the
 log would then mix two experiments.
+
+A run with a code suite first settles its sandbox (`cotserve.eval.sandbox.isolation_mode`):
+bubblewrap, or a refusal before anything is generated; a weaker mode only when named
+(`unsafe-unshare`, `unsafe-none`), with a warning on stderr. The mode, its limits and
+bubblewrap's version go into `results.json` and `report.md`.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from typing import Any
 from cotserve.errors import CotserveError
 from cotserve.eval.backends import EvalRequest, Output
 from cotserve.eval.graders import GRADER_VERSION, grade
-from cotserve.eval.loaders import Item, SuiteRef, load_suite
+from cotserve.eval.loaders import DateWindow, Item, SuiteRef, load_suite
 from cotserve.eval.prompts import build_prompt
-from cotserve.eval.sandbox import Limits
+from cotserve.eval.sandbox import Limits, describe, isolation_mode, warn_if_unsafe
 from cotserve.jsonl import close_last_line, read_jsonl
 
 PREDICTIONS = "predictions.jsonl"
@@ -131,6 +136,8 @@ class EvalConfig:
     report_only: bool = False  # regrade and report what the log holds; generate nothing
     threads: int | None = None  # local mode: torch CPU threads (recorded in the report)
     redundancy_model: str | None = "all-MiniLM-L6-v2"  # None: no redundancy section
+    window: DateWindow = field(default_factory=DateWindow)  # LiveCodeBench contest dates
+    sampling: dict[str, Any] = field(default_factory=dict)  # preset and where each setting came from
     run_id: str = field(default_factory=lambda: time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}")
 
 
@@ -184,8 +191,25 @@ def _check_config(out: Path, backend_desc: dict[str, Any], cfg: EvalConfig) -> d
                                 "use another --out, or --fresh to start over")
         variants = {**old.get("variants", {}), **variants}
     conf = {"generation": gen, "variants": variants, "backend": backend_desc}
+    if cfg.sampling:
+        conf["sampling"] = cfg.sampling  # the preset and where each setting came from (not compared)
     path.write_text(json.dumps(conf, indent=2, default=str) + "\n")
     return conf
+
+
+def has_code(refs: list[SuiteRef]) -> bool:
+    """Some suite runs model-written programs."""
+    return any((r.spec.kind if r.spec is not None else r.kind) == "code" for r in refs)
+
+
+def settle_sandbox(cfg: EvalConfig) -> dict[str, Any] | None:
+    """The sandbox a run with code suites uses (a `SandboxError` where it cannot run), its warning
+    for an unsafe mode, and what the results record of it; None without code suites."""
+    if not has_code(cfg.suites):
+        return None
+    mode = isolation_mode(cfg.code_limits.isolation)
+    warn_if_unsafe(mode)
+    return describe(cfg.code_limits, mode)
 
 
 def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
@@ -198,10 +222,13 @@ def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
     if cfg.samples < 1:
         raise CotserveError("--samples must be at least 1")
     if cfg.samples > 1 and cfg.temperature == 0:
-        print("warning: --samples > 1 with --temperature 0 repeats the same greedy reply", file=sys.stderr)
+        print(f"warning: --samples {cfg.samples} with --temperature 0: greedy decoding repeats one reply, so "
+              "pass@k and maj@n add nothing over pass@1 (sample with --temperature > 0, e.g. --preset r1)",
+              file=sys.stderr)
+    sandbox = settle_sandbox(cfg)
     for v in cfg.variants:
         backend.check(v.policy, v.options)
-    suites = {ref.name: load_suite(ref, cfg.data_dir, cfg.data_source, cfg.limit) for ref in cfg.suites}
+    suites = {ref.name: load_suite(ref, cfg.data_dir, cfg.data_source, cfg.limit, cfg.window) for ref in cfg.suites}
     for name, items in suites.items():
         if not items:
             raise CotserveError(f"suite {name} has no items")
@@ -223,7 +250,7 @@ def run_eval(cfg: EvalConfig, backend) -> dict[str, Any]:
             print(f"\ninterrupted: {n} graded replies are in {log_path}; run the same command again to "
                   "resume from there", file=sys.stderr)
             raise
-    return _finish(cfg, suites, log_path, done)
+    return _finish(cfg, suites, log_path, done, sandbox)
 
 
 def _regrade(suites: dict[str, list[Item]], done: dict, log, limits: Limits) -> None:
@@ -281,7 +308,8 @@ def _generate(cfg: EvalConfig, backend, suites: dict[str, list[Item]], done: dic
                 bar.close()
 
 
-def _finish(cfg: EvalConfig, suites: dict[str, list[Item]], log_path: Path, done: dict) -> dict[str, Any]:
+def _finish(cfg: EvalConfig, suites: dict[str, list[Item]], log_path: Path, done: dict,
+            sandbox: dict[str, Any] | None = None) -> dict[str, Any]:
     from cotserve.eval.report import write_outputs
 
     wanted = {(n, v.label, it.id, s) for n, items in suites.items() for v in cfg.variants for it in items
@@ -292,9 +320,13 @@ def _finish(cfg: EvalConfig, suites: dict[str, list[Item]], log_path: Path, done
     meta = {"command": cfg.command, "generation": conf["generation"], "backend": conf["backend"],
             "samples": cfg.samples, "limit": cfg.limit, "data_source": cfg.data_source,
             "threads": cfg.threads, "run_id": cfg.run_id, "grader": GRADER_VERSION,
+            "sampling": cfg.sampling or None, "sandbox": sandbox,
+            "date_window": cfg.window.describe() if cfg.window else None,
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    kinds = {n: items[0].kind for n, items in suites.items() if items}
     return write_outputs(cfg.out, records, errors, [n for n in suites], cfg.variants, meta,
-                         {n: len(items) for n, items in suites.items()}, redundancy_model=cfg.redundancy_model)
+                         {n: len(items) for n, items in suites.items()}, redundancy_model=cfg.redundancy_model,
+                         kinds=kinds)
 
 
 def latency_fields(out: Output) -> dict[str, float | None]:
@@ -315,7 +347,7 @@ def latency_fields(out: Output) -> dict[str, float | None]:
 def _record(item: Item, v: Variant, out: Output, limits: Limits, run_id: str = "") -> dict[str, Any]:
     suite, label, iid, sample = out.job.key
     rec: dict[str, Any] = {"suite": suite, "policy": label, "id": iid, "sample": sample, "spec": v.policy,
-                           "run_id": run_id}
+                           "kind": item.kind, "run_id": run_id}
     if out.error:
         rec.update(error=out.error, t_start=out.t_start, t_end=out.t_end)
         return rec

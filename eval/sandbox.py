@@ -1,25 +1,44 @@
 """Run untrusted model-written Python in a child process with limits.
 
-Isolation (`Limits.isolation`, default `auto`: the strongest this machine allows):
+Isolation (`Limits.isolation`, `--sandbox`), default `auto`:
 
-- `bwrap` (bubblewrap, Debian package `bubblewrap`): new mount, PID, network, IPC and UTS
-  namespaces; the whole file system read-only, /tmp, /home, /root and /work replaced by empty
-  tmpfs (the Python installation is bound back read-only when it lives there), and only the
-  work directory writable; the program runs as the unprivileged user `nobody` (65534) with no
-  capabilities and no_new_privs (through `setpriv` when the evaluator runs as root, else bwrap's
-  own user namespace). Killing bwrap kills the namespace's init (`--die-with-parent`), and with it
-  every descendant, `setsid` ones included.
-- `unshare` (util-linux), when bwrap is missing or cannot run: network and PID namespaces
-  (`--kill-child`: the PID namespace dies with the process the parent kills), the audit hook
-  below for file writes, and the rlimits; `nobody` where the interpreter is readable by it.
-- `none`: rlimits and the audit hook only (no namespaces); reported in `RunResult.extra`.
+- `bwrap` (bubblewrap, Debian package `bubblewrap`), which `auto` means: new mount, PID,
+  network, IPC and UTS namespaces. The program sees only the system folders (`/usr`, `/etc` and
+  the `/bin`, `/lib*` links), the Python installation, read-only, a fresh `/dev`, `/proc` and an
+  empty `/tmp`, and its own work directory, the only writable place: nothing else of the host
+  exists for it (no data directory, no outputs, no home). It runs as the unprivileged user
+  `nobody` (65534) with no capabilities and no_new_privs (through `setpriv` when the evaluator
+  runs as root, else bwrap's own user namespace). Killing bwrap kills the namespace's init
+  (`--die-with-parent`), and with it every descendant, `setsid` ones included.
+- When bubblewrap is missing or cannot run, `auto` (and `bwrap`) refuse with `SandboxError`:
+  model-written code never runs with less isolation unless asked for by name.
+- `unsafe-unshare` (util-linux): network and PID namespaces (`--kill-child`: the PID namespace
+  dies with the process the parent kills), the audit hook below for file writes, and the
+  rlimits; `nobody` where the interpreter is readable by it. The program can read the host's
+  files.
+- `unsafe-none`: rlimits and the audit hook only (no namespaces).
+  The old names `unshare` and `none` are refused with a pointer to these.
+
+The test is handed to the program as a process, never as a file in its view: stdin comes from a
+file in a private control folder outside the work directory (0700, not mounted in bwrap), the
+job (program mode, the functional call's arguments) is read from an inherited descriptor that
+the harness closes before the program starts, and the functional result goes back through
+another descriptor. Expected outputs never leave the parent.
 
 In every mode: a fresh temporary directory is the child's cwd, HOME and TMPDIR, deleted
 afterwards; `resource.setrlimit` before any model code: CPU seconds, address space (memory), file
-size (also caps stdout, which goes to a file), process count (`RLIMIT_NPROC`), no core dumps; a
-wall-clock limit enforced by the parent; and a Python audit hook (PEP 578) that refuses sockets,
-writes, directory handles and chdir outside the work dir, starting processes and ctypes. The hook is
-a guard against ordinary code, not a boundary: the namespaces are.
+size (also caps stdout, which goes to a file; 64 MiB by default, read back whole), process count
+(`RLIMIT_NPROC`), no core dumps; a wall-clock limit enforced by the parent; and a Python audit
+hook (PEP 578) that refuses sockets, writes, directory handles and chdir outside the work dir,
+starting processes and ctypes. The hook is a guard against ordinary code, not a boundary: the
+namespaces are.
+
+The program runs as LiveCodeBench's runner runs it: `LCB_PRELUDE` (its import string: `from math
+import *`, `from collections import *`, ..., `sys.setrecursionlimit(50000)`) is executed first in
+the program's own namespace, in stdin and functional mode alike, so `inf` or `gcd` work
+unimported. When the program ends, the harness waits for the threads it started and did not join
+(non-daemon ones, as the interpreter's own exit does) and runs its `atexit` functions before the
+output is flushed.
 
 Each run is labelled by the limit that stopped it: `timeout` (wall clock), `cpu_limit`, `memory`,
 `output_limit`, `process_limit`, `refused` (an audit-hook rule), else `runtime_error` / `ok`.
@@ -39,6 +58,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from cotserve.errors import CotserveError
+
+MODES = ("auto", "bwrap", "unsafe-unshare", "unsafe-none")
+RENAMED = {"unshare": "unsafe-unshare", "none": "unsafe-none"}  # the old names, refused
+
+
+class SandboxError(CotserveError):
+    """The requested isolation cannot run here (or is unknown): no model-written code runs."""
+
 
 @dataclass
 class Limits:
@@ -46,10 +74,10 @@ class Limits:
 
     timeout_s: float = 6.0
     memory_mb: int = 1024
-    max_output_mb: int = 16
+    max_output_mb: int = 64  # RLIMIT_FSIZE: stdout and stderr each, read back whole
     max_processes: int = 64  # RLIMIT_NPROC (per user: counts the sandbox user's processes)
-    network_namespace: bool = True  # `unshare` mode: use `unshare -n` when available
-    isolation: str = "auto"  # auto | bwrap | unshare | none
+    network_namespace: bool = True  # `unsafe-unshare` / `unsafe-none`: use `unshare -n` when available
+    isolation: str = "auto"  # auto (= bwrap, else refuse) | bwrap | unsafe-unshare | unsafe-none
     audit_hook: bool = True  # off only to test the namespace layer on its own
 
 
@@ -66,11 +94,26 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# The child's entry point. It reads its job from argv[1] (a JSON file in its temp dir), sets the
-# rlimits, installs the audit hook, then runs the program. Only the standard library is used.
+# LiveCodeBench's `import_string` (lcb_runner/evaluation/testing_util.py), which its runner puts
+# before call-based and stdin programs alike.
+LCB_PRELUDE = (
+    "from string import *\nfrom re import *\nfrom datetime import *\nfrom collections import *\n"
+    "from heapq import *\nfrom bisect import *\nfrom copy import *\nfrom math import *\nfrom random import *\n"
+    "from statistics import *\nfrom itertools import *\nfrom functools import *\nfrom operator import *\n"
+    "from io import *\nfrom sys import *\nfrom json import *\nfrom builtins import *\nfrom typing import *\n"
+    "import string\nimport re\nimport datetime\nimport collections\nimport heapq\nimport bisect\nimport copy\n"
+    "import math\nimport random\nimport statistics\nimport itertools\nimport functools\nimport operator\n"
+    "import io\nimport sys\nimport json\nsys.setrecursionlimit(50000)\n"
+)
+
+# The child's entry point. It reads its job from the descriptor argv[1] (closed at once), sets the
+# rlimits, runs the prelude, installs the audit hook, then runs the program; a functional result
+# goes to the descriptor argv[2]. Only the standard library is used.
 HARNESS = r'''
 import sys, os, json, resource, io, traceback
-job = json.load(open(sys.argv[1]))
+with os.fdopen(int(sys.argv[1]), "r", encoding="utf-8") as _f:
+    job = json.load(_f)
+result_fd = int(sys.argv[2])
 root = os.path.realpath(job["root"])
 cpu = int(job["cpu_s"])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -81,13 +124,7 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 nproc = int(job["max_processes"])
 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
-# modules solutions commonly use, imported before the guard (reading is allowed anyway)
-import collections, heapq, math, bisect, itertools, functools, string, re, typing, random, copy
-import operator, statistics, fractions, decimal, array, datetime
-PRELUDE = ("from typing import *\nfrom collections import *\nfrom heapq import *\nfrom bisect import *\n"
-           "from itertools import *\nfrom functools import *\nimport math, string, re, sys, heapq, bisect, "
-           "collections, itertools, functools, random, copy, operator\n")
+import atexit, threading, fractions, decimal, array  # before the guard (reading is allowed anyway)
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1,
@@ -159,16 +196,31 @@ def limit_hit(e):
         except OSError:
             pass
 
+def finish():
+    """What the interpreter's own exit does: wait for non-daemon threads, then atexit functions."""
+    ok = True
+    try:
+        threading._shutdown()
+    except BaseException as e:
+        traceback.print_exc()
+        limit_hit(e)
+        ok = False
+    try:
+        atexit._run_exitfuncs()
+    except BaseException as e:
+        limit_hit(e)
+    return ok
+
 mode = job["mode"]
-src = open(job["program"]).read()
-code = compile((PRELUDE if mode == "functional" else "") + src, "solution.py", "exec")
-result_path = os.path.join(root, "__result__.json")
+with open(job["program"], encoding="utf-8") as _f:
+    src = _f.read()
+g = {"__name__": "__main__" if mode == "stdin" else "solution", "__builtins__": __builtins__}
+exec(compile(job["prelude"], "<prelude>", "exec"), g)
+code = compile(src, job["program"], "exec")
 if job["audit_hook"]:
     sys.addaudithook(guard)
-sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
 status = 0
 if mode == "stdin":
-    g = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(code, g)
     except SystemExit as e:
@@ -177,6 +229,8 @@ if mode == "stdin":
         traceback.print_exc()
         limit_hit(e)
         status = 1
+    if not finish():
+        status = 1
     try:
         sys.stdout.flush()
     except BaseException as e:
@@ -184,14 +238,14 @@ if mode == "stdin":
         status = 1
     os._exit(status)
 else:
-    real_stdout = sys.stdout
     sys.stdout = io.StringIO()  # the program's own prints are not the answer
-    g = {"__name__": "solution", "__builtins__": __builtins__}
     try:
         exec(code, g)
         name = job["func_name"]
         fn = getattr(g["Solution"](), name) if "Solution" in g else g[name]
         value = fn(*job["args"])
+        if not finish():
+            os._exit(1)
         if isinstance(value, (set, frozenset)):
             value = sorted(value)
         payload = json.dumps({"value": value}, default=lambda o: list(o) if isinstance(o, (tuple, set)) else str(o))
@@ -199,20 +253,29 @@ else:
         traceback.print_exc()
         limit_hit(e)
         os._exit(1)
-    with open(result_path, "w") as f:
-        f.write(payload)
+    data = payload.encode()
+    while data:
+        data = data[os.write(result_fd, data):]
     os._exit(0)
 '''
 
 
 NOBODY = 65534
-HIDDEN = ("/tmp", "/home", "/root", "/work", "/var/tmp", "/run", "/mnt", "/media", "/srv")
+SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # what bwrap shows, read-only
 
 
 def interpreter() -> str:
     """The real interpreter behind this one (a venv's python is a link to it); the harness needs
     only the standard library."""
     return os.path.realpath(sys.executable)
+
+
+def python_home() -> str:
+    """The folder of the Python installation (e.g. /root/.pyenv/versions/3.11.7)."""
+    return os.path.realpath(sys.base_prefix)
+
+
+_NOOP = (os.path.realpath(sys.executable), "-I", "-S", "-c", "")  # a probe that needs nothing on PATH
 
 
 @lru_cache(maxsize=1)
@@ -223,7 +286,7 @@ def netns_prefix() -> tuple[str, ...]:
         return ()
     for flags in (("-n",), ("-r", "-n")):
         try:
-            r = subprocess.run([exe, *flags, "true"], capture_output=True, timeout=10)
+            r = subprocess.run([exe, *flags, *_NOOP], capture_output=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             continue
         if r.returncode == 0:
@@ -240,7 +303,7 @@ def pidns_prefix() -> tuple[str, ...]:
     base = ("-n", "-p", "-f", "--kill-child", "-m", "--mount-proc")
     for flags in (base, ("-r", *base)):
         try:
-            r = subprocess.run([exe, *flags, "true"], capture_output=True, timeout=10)
+            r = subprocess.run([exe, *flags, *_NOOP], capture_output=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             continue
         if r.returncode == 0:
@@ -268,20 +331,26 @@ def _setpriv(uid: int) -> tuple[str, ...]:
 
 
 def bwrap_prefix(root: str) -> tuple[str, ...]:
-    """The bubblewrap command line for a run whose work directory is `root`, or () without bwrap."""
+    """The bubblewrap command line for a run whose work directory is `root`, or () without bwrap.
+    Only the system folders, the Python installation and `root` are mounted (see the module doc)."""
     exe = shutil.which("bwrap")
     if not exe:
         return ()
-    py_home = os.path.dirname(os.path.dirname(interpreter()))  # e.g. /root/.pyenv/versions/3.11.7
     # every namespace but the user one (root outside: setpriv needs the real uid map)
     cmd = [exe, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-           "--die-with-parent", "--new-session", "--ro-bind", "/", "/",
-           "--dev", "/dev", "--proc", "/proc"]
-    for d in HIDDEN:
-        if os.path.isdir(d):
-            cmd += ["--tmpfs", d]
-    if any(py_home == d or py_home.startswith(d + "/") for d in HIDDEN):
-        cmd += ["--ro-bind", py_home, py_home]
+           "--die-with-parent", "--new-session"]
+    for d in SYSTEM:
+        if os.path.islink(d):  # merged /usr: /bin -> usr/bin
+            cmd += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            cmd += ["--ro-bind", d, d]
+    cmd += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    home = python_home()
+    if not any(home == d or home.startswith(d + "/") for d in SYSTEM):
+        cmd += ["--ro-bind", home, home]
+    exe_dir = os.path.dirname(interpreter())
+    if not (exe_dir == home or exe_dir.startswith(home + "/")) and not exe_dir.startswith("/usr/"):
+        cmd += ["--ro-bind", exe_dir, exe_dir]
     cmd += ["--bind", root, root, "--chdir", root]
     if os.geteuid() == 0:  # root outside: setpriv drops to nobody, every capability and new privileges
         priv = _setpriv(NOBODY)
@@ -292,37 +361,88 @@ def bwrap_prefix(root: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=1)
-def bwrap_works() -> bool:
-    """bubblewrap is installed and can build a sandbox here (some containers forbid it)."""
+def bwrap_problem() -> str | None:
+    """Why bubblewrap cannot build a sandbox here (None: it can). Some containers forbid it."""
+    if not shutil.which("bwrap"):
+        return "bubblewrap (bwrap) is not installed (not on PATH)"
     root = tempfile.mkdtemp(prefix="cotserve-sbx-probe-")
     try:
         if os.geteuid() == 0:
             _give_to_nobody(root)
         prefix = bwrap_prefix(root)
         if not prefix:
-            return False
+            return "bubblewrap needs setpriv (util-linux) to drop root here, and setpriv is missing"
         r = subprocess.run([*prefix, interpreter(), "-I", "-S", "-c", "open('p', 'w').write('ok')"],
                            capture_output=True, timeout=30)
-        return r.returncode == 0 and open(os.path.join(root, "p")).read() == "ok"
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        if r.returncode == 0 and open(os.path.join(root, "p")).read() == "ok":
+            return None
+        err = r.stderr.decode(errors="replace").strip().splitlines()
+        return f"bubblewrap cannot build a sandbox here ({err[-1] if err else f'exit status {r.returncode}'})"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap cannot build a sandbox here ({exc})"
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def bwrap_works() -> bool:
+    """bubblewrap is installed and can build a sandbox here."""
+    return bwrap_problem() is None
+
+
+def bwrap_version() -> str | None:
+    """`bwrap --version` (e.g. `bubblewrap 0.8.0`), or None without bubblewrap."""
+    exe = shutil.which("bwrap")
+    if not exe:
+        return None
+    try:
+        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() or None
+
+
 def isolation_mode(requested: str = "auto") -> str:
-    """The mode a run gets: `auto` picks bwrap, else unshare, else none; an explicit mode that
-    cannot run here is an error (never a silent downgrade)."""
-    if requested not in ("auto", "bwrap", "unshare", "none"):
-        raise ValueError(f"sandbox isolation {requested!r}: expected auto, bwrap, unshare or none")
-    if requested == "auto":
-        return "bwrap" if bwrap_works() else "unshare" if pidns_prefix() else "none"
-    if requested == "bwrap" and not bwrap_works():
-        raise RuntimeError("sandbox isolation bwrap: bubblewrap is missing or cannot run here "
-                           "(apt-get install bubblewrap)")
-    if requested == "unshare" and not pidns_prefix():
-        raise RuntimeError("sandbox isolation unshare: unshare cannot create PID/network namespaces here")
+    """The mode a run gets. `auto` and `bwrap` are bubblewrap, or a `SandboxError` where it cannot
+    run (never a silent downgrade); `unsafe-unshare` / `unsafe-none` only when asked for by name."""
+    if requested in RENAMED:
+        raise SandboxError(f"--sandbox {requested} was renamed --sandbox {RENAMED[requested]}: it runs model-written "
+                           "code without bubblewrap's isolation, so the name says so")
+    if requested not in MODES:
+        raise SandboxError(f"--sandbox {requested!r}: expected {', '.join(MODES)}")
+    if requested in ("auto", "bwrap"):
+        problem = bwrap_problem()
+        if problem is None:
+            return "bwrap"
+        raise SandboxError(f"{problem}, so model-written code will not run: install bubblewrap (apt-get install "
+                           "bubblewrap), or pass --sandbox unsafe-unshare (PID and network namespaces only; the "
+                           "code can read this machine's files) or --sandbox unsafe-none (no isolation) to run it anyway")
+    if requested == "unsafe-unshare" and not pidns_prefix():
+        raise SandboxError("--sandbox unsafe-unshare: unshare cannot create PID/network namespaces here "
+                           "(--sandbox unsafe-none runs without any)")
     return requested
+
+
+UNSAFE_WARNING = {
+    "unsafe-unshare": "model-written code runs without bubblewrap: PID and network namespaces and rlimits only; "
+                      "it can read every file this user can (datasets, expected outputs, keys)",
+    "unsafe-none": "model-written code runs with no isolation at all (rlimits and a Python-level guard that "
+                   "ordinary code can get around): it can read every file this user can",
+}
+
+
+def warn_if_unsafe(mode: str) -> None:
+    """One warning on stderr for a weaker mode than bubblewrap."""
+    if mode in UNSAFE_WARNING:
+        print(f"warning: --sandbox {mode}: {UNSAFE_WARNING[mode]}", file=sys.stderr)
+
+
+def describe(limits: Limits, mode: str) -> dict[str, Any]:
+    """What results.json records of the sandbox: the mode used, its limits, bubblewrap's version."""
+    return {"mode": mode, "requested": limits.isolation, "timeout_s": limits.timeout_s,
+            "cpu_s": int(limits.timeout_s) + 1, "memory_mb": limits.memory_mb,
+            "max_output_mb": limits.max_output_mb, "max_processes": limits.max_processes,
+            "network": "none" if mode == "bwrap" or limits.network_namespace else "host",
+            "bwrap_version": bwrap_version(), "lcb_prelude": True}
 
 
 def run_program(source: str, stdin: str = "", mode: str = "stdin", func_name: str | None = None,
@@ -330,7 +450,9 @@ def run_program(source: str, stdin: str = "", mode: str = "stdin", func_name: st
     """Run `source` once. mode `stdin`: feed `stdin`, capture stdout. mode `functional`: call
     `Solution().func_name(*args)` (or a top-level `func_name`) and return its value."""
     limits = limits or Limits()
+    mode_used = isolation_mode(limits.isolation)
     root = os.path.realpath(tempfile.mkdtemp(prefix="cotserve-sbx-"))
+    ctl = os.path.realpath(tempfile.mkdtemp(prefix="cotserve-sbx-ctl-"))  # 0700: the parent's side only
     try:
         prog = os.path.join(root, "solution.py")
         with open(prog, "w", encoding="utf-8") as f:
@@ -338,56 +460,56 @@ def run_program(source: str, stdin: str = "", mode: str = "stdin", func_name: st
         job = {"root": root, "program": prog, "mode": mode, "func_name": func_name, "args": args or [],
                "cpu_s": int(limits.timeout_s) + 1, "memory_mb": limits.memory_mb,
                "max_output_mb": limits.max_output_mb, "max_processes": limits.max_processes,
-               "audit_hook": limits.audit_hook}
-        job_path = os.path.join(root, "__job__.json")
-        with open(job_path, "w") as f:
+               "audit_hook": limits.audit_hook, "prelude": LCB_PRELUDE}
+        paths = {n: os.path.join(ctl, n) for n in ("job", "stdin", "stdout", "stderr", "result")}
+        with open(paths["job"], "w", encoding="utf-8") as f:
             json.dump(job, f)
-        in_path, out_path, err_path = (os.path.join(root, n) for n in ("__stdin__", "__stdout__", "__stderr__"))
-        with open(in_path, "w", encoding="utf-8") as f:
+        with open(paths["stdin"], "w", encoding="utf-8") as f:
             f.write(stdin)
         env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8",
                "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
-        mode_used = isolation_mode(limits.isolation)
         if mode_used == "bwrap":
             prefix = bwrap_prefix(root)
-        elif mode_used == "unshare":
+        elif mode_used == "unsafe-unshare":
             prefix = pidns_prefix() if limits.network_namespace else ()
             if os.geteuid() == 0 and _readable_by_all(interpreter()):
                 prefix = (*prefix, *_setpriv(NOBODY))
         else:
             prefix = netns_prefix() if limits.network_namespace else ()
-        if os.geteuid() == 0 and mode_used != "none":
+        if os.geteuid() == 0 and mode_used != "unsafe-none":
             _give_to_nobody(root)
-        cmd = [*prefix, interpreter(), "-I", "-S", "-c", HARNESS, job_path]
         timed_out = False
-        with open(in_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
+        with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, \
+                open(paths["stderr"], "wb") as ferr, open(paths["job"], "rb") as fjob, \
+                open(paths["result"], "wb") as fres:
+            cmd = [*prefix, interpreter(), "-I", "-S", "-c", HARNESS, str(fjob.fileno()), str(fres.fileno())]
             proc = subprocess.Popen(cmd, cwd=root, stdin=fin, stdout=fout, stderr=ferr, env=env,
-                                    start_new_session=True)
+                                    start_new_session=True, pass_fds=(fjob.fileno(), fres.fileno()))
             try:
                 rc = proc.wait(timeout=limits.timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_group(proc)
                 rc = proc.wait()
-        stdout = _read(out_path)
-        stderr = _read(err_path)
+        cap = limits.max_output_mb * 1024 * 1024
+        stdout = _read(paths["stdout"], cap + 1)
+        stderr = _read_tail(paths["stderr"], 1 << 20)
         netns = mode_used == "bwrap" or any(f in ("-n", "--net") for f in prefix)
         res = RunResult("ok", stdout, stderr, rc, extra={"netns": netns, "isolation": mode_used})
-        cap = limits.max_output_mb * 1024 * 1024
         tag = _limit_tag(stderr)
         if timed_out:
             res.status = "timeout"
         elif rc in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL):
             res.status = "cpu_limit"  # RLIMIT_CPU: SIGXCPU at the soft limit, SIGKILL at the hard one
         elif rc in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or tag == "output_limit" or \
-                max(_size(out_path), _size(err_path)) >= cap:
+                max(_size(paths["stdout"]), _size(paths["stderr"])) >= cap:
             res.status = "output_limit"
         elif rc != 0:
             res.status = ("refused" if "PermissionError: sandbox:" in stderr
                           else tag or ("memory" if "MemoryError" in stderr else "runtime_error"))
         elif mode == "functional":
             try:
-                with open(os.path.join(root, "__result__.json"), encoding="utf-8") as f:
+                with open(paths["result"], encoding="utf-8") as f:
                     res.value = json.load(f)["value"]
             except (OSError, ValueError, KeyError):
                 res.status = "runtime_error"
@@ -395,6 +517,7 @@ def run_program(source: str, stdin: str = "", mode: str = "stdin", func_name: st
         return res
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(ctl, ignore_errors=True)
 
 
 def _give_to_nobody(root: str) -> None:
@@ -428,9 +551,21 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _read(path: str, limit: int = 1 << 20) -> str:
+def _read(path: str, limit: int) -> str:
+    """The first `limit` bytes of a file, as text."""
     try:
         with open(path, "rb") as f:
+            data = f.read(limit)
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")
+
+
+def _read_tail(path: str, limit: int) -> str:
+    """The last `limit` bytes of a file (stderr: its last lines name the limit that fired)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, _size(path) - limit))
             data = f.read(limit)
     except OSError:
         return ""

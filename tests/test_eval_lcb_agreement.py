@@ -17,7 +17,10 @@ import pytest
 
 from cotserve.eval.graders.code import grade_code
 from cotserve.eval.loaders import load_suite, parse_suites
-from cotserve.eval.sandbox import Limits
+from cotserve.eval.sandbox import Limits, bwrap_problem, pidns_prefix
+
+# the programs here are written for this test (trusted): the strongest sandbox this machine has
+TRUSTED = "auto" if bwrap_problem() is None else "unsafe-unshare" if pidns_prefix() else "unsafe-none"
 
 SOLUTIONS: dict[str, str] = {
     "1873_A": """t = int(input())
@@ -190,7 +193,7 @@ def items(data_dir):
 
 
 def test_sandbox_verdicts_agree_with_independent_re_execution(items):
-    limits = Limits(timeout_s=6.0, memory_mb=1024)
+    limits = Limits(timeout_s=6.0, memory_mb=1024, isolation=TRUSTED)
     rows = []
     for it in items:
         functional = it.meta["tests"][0]["testtype"] == "functional"

@@ -10,11 +10,12 @@ import pytest
 from cotserve.errors import CotserveError
 from cotserve.eval.loaders import SUITES, load_suite, parse_suites
 from cotserve.eval.prompts import build_prompt
-from cotserve.eval.report import union_seconds, wilson
+from cotserve.eval.report import union_seconds
 from cotserve.eval.runner import job_seed, parse_variants, read_log
 
 
 def test_every_bundled_suite_loads_from_the_data_dir(data_dir):
+    """aime25 is left out: its file is not in every data directory (see test_eval_sampling)."""
     for ref in parse_suites("gsm8k,math500,aime24,gpqa,livecodebench"):
         items = load_suite(ref, data_dir, "local", limit=3)
         assert len(items) == 3 and len({i.id for i in items}) == 3
@@ -109,11 +110,7 @@ def test_policy_variants():
         parse_variants("sfi[k=1")
 
 
-def test_wilson_interval_and_wall_union():
-    lo, hi = wilson(0, 10)
-    assert lo == 0 and 0.25 < hi < 0.35
-    lo, hi = wilson(50, 100)
-    assert abs(lo - 0.4038) < 1e-3 and abs(hi - 0.5962) < 1e-3  # textbook values
+def test_wall_union_and_seeds():
     assert union_seconds([(0, 2), (1, 3), (10, 11)]) == 4
     assert job_seed(0, "gsm8k", "x", 0) == job_seed(0, "gsm8k", "x", 0) != job_seed(0, "gsm8k", "x", 1)
 
