@@ -172,3 +172,33 @@ def test_sixteen_concurrent_sampled_requests_finish(engine):
         assert sum(len(e["ids"]) for e in out[j.id] if e["t"] == "delta") == 12
     err = out[mine.id][-1]
     assert err["t"] == "error" and err["status"] == 400 and "seed" in err["message"]
+
+
+def test_vllms_kv_metrics_under_vllms_names(engine):
+    """The worker's registry shows vLLM's own KV and scheduler metrics (`vllm:` names, the model's
+    short name as model_name) read from the engine at scrape time: KV usage above 0 while requests
+    run, and the preemption and prefix-cache counters."""
+    from prometheus_client import generate_latest
+
+    q = InProcessQueue()
+    q.heartbeat("w-vm", 60)
+    w = ContinuousWorker(engine, q, worker_id="w-vm", max_wait=0.0)
+    jobs = _jobs(engine, q)[:4]
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    seen = 0.0
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not all(any(e["t"] == "done" for e in q.published(j.id)) for j in jobs):
+            text = generate_latest(w.metrics.registry).decode()
+            line = next(ln for ln in text.splitlines() if ln.startswith("vllm:kv_cache_usage_perc{"))
+            assert 'model_name="smollm2-135m-instruct"' in line
+            seen = max(seen, float(line.rsplit(" ", 1)[1]))
+            time.sleep(0.05)
+    finally:
+        w.stop()
+        t.join(30)
+    assert seen > 0
+    text = generate_latest(w.metrics.registry).decode()
+    for name in ("vllm:num_preemptions_total{", "vllm:prefix_cache_queries_total{", "vllm:prefix_cache_hits_total{"):
+        assert name in text, name

@@ -146,6 +146,7 @@ class VLLMEngine:
         self.kv.bind(self.llm.vllm_config)
         self.max_positions = self.llm.model_config.max_model_len
         self.model_name = str(path)
+        self.model_spec = model  # as given (--model): the metrics' model_name is its short name
         log.info("vllm engine ready: %s (max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, async "
                  "scheduling %s, prefix caching %s, %s)", path, self.max_positions, self.max_batch,
                  sc.max_num_batched_tokens, "on" if self.async_scheduling else "off",

@@ -32,6 +32,10 @@ class KVCapacity:
         self._usage: dict[int, float] = {}  # engine index -> fraction of KV blocks in use
         self._config: Any = None  # vllm_config (its cache_config is filled in at startup)
         self._seq = 0  # reports received (the continuous pool counts what it submitted since the last)
+        # totals over the engine's life, mirrored as vLLM's own metrics (`vllm_stats`)
+        self._preemptions = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
 
     def bind(self, vllm_config: Any) -> None:
         """The engine's `VllmConfig` (its cache_config carries num_gpu_blocks after startup)."""
@@ -43,6 +47,21 @@ class KVCapacity:
         with self._lock:
             self._usage[engine_idx] = min(1.0, max(0.0, float(usage)))
             self._seq += 1
+
+    def count(self, preempted: int = 0, prefix_queries: int = 0, prefix_hits: int = 0) -> None:
+        """One step's preemptions and prefix-cache lookups (tokens queried, tokens found)."""
+        with self._lock:
+            self._preemptions += int(preempted)
+            self._prefix_queries += int(prefix_queries)
+            self._prefix_hits += int(prefix_hits)
+
+    def vllm_stats(self) -> dict[str, float]:
+        """What vLLM's own metrics of these names report: KV usage now (a fraction), preemptions
+        and prefix-cache queries and hits (tokens) so far."""
+        with self._lock:
+            usage = sum(self._usage.values()) / len(self._usage) if self._usage else 0.0
+            return {"kv_cache_usage_perc": usage, "num_preemptions": self._preemptions,
+                    "prefix_cache_queries": self._prefix_queries, "prefix_cache_hits": self._prefix_hits}
 
     def report(self) -> tuple[int | None, int]:
         """(free tokens, how many reports came so far): a sequence submitted at report n is in the
@@ -85,6 +104,11 @@ class KVCapacity:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if scheduler_stats is not None:
                     capacity.observe(engine_idx, scheduler_stats.kv_cache_usage)
+                    pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
+                    capacity.count(prefix_queries=getattr(pcs, "queries", 0) or 0,
+                                   prefix_hits=getattr(pcs, "hits", 0) or 0)
+                if iteration_stats is not None:
+                    capacity.count(preempted=getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
 
             def log_engine_initialized(self) -> None:
                 pass

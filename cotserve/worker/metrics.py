@@ -60,6 +60,13 @@ class WorkerMetrics:
         self._itl = self.itl.labels(worker_id)
         self._generated = self.generated_tokens.labels(worker_id)
 
+    def track_vllm(self, stats: Callable[[], dict[str, float] | None], model_name: str) -> None:
+        """vLLM's KV and scheduler metrics under vLLM's names (`vllm:kv_cache_usage_perc`,
+        `vllm:num_preemptions_total`, `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`,
+        labelled model_name), read from `stats()` (the engine's `KVCapacity.vllm_stats`) at every
+        scrape; nothing while it returns None (not a vLLM engine)."""
+        self.registry.register(_VLLMCollector(stats, model_name))
+
     def track_running(self, count: Callable[[], float]) -> None:
         """The running-requests gauge reads `count()` at every scrape."""
         self.running.labels(self.worker_id).set_function(count)
@@ -96,3 +103,29 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VLLMCollector:
+    """A scrape-time view of a vLLM engine's counters (they live in the engine's stat logger)."""
+
+    HELP = {"kv_cache_usage_perc": "KV-cache usage (1 = full)", "num_preemptions": "Preemptions",
+            "prefix_cache_queries": "Prefix-cache queries (tokens)", "prefix_cache_hits": "Prefix-cache hits (tokens)"}
+
+    def __init__(self, stats: Callable[[], dict[str, float] | None], model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        try:
+            got = self.stats()
+        except Exception:
+            got = None
+        if not got:
+            return
+        for key, help_text in self.HELP.items():
+            cls = GaugeMetricFamily if key == "kv_cache_usage_perc" else CounterMetricFamily
+            fam = cls(f"vllm:{key}", help_text, labels=["model_name"])
+            fam.add_metric([self.model_name], float(got.get(key, 0.0)))
+            yield fam

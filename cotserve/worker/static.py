@@ -33,6 +33,7 @@ from typing import Any
 from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError, EngineDead, PolicyError, RequestError, redact_paths
+from cotserve.model_names import model_slug
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue, QueueUnavailable
 from cotserve.worker.events import (
@@ -84,6 +85,7 @@ class Worker:
         self.stats_s = stats_s  # seconds between stats lines (0: none)
         self.metrics = metrics or WorkerMetrics(self.worker_id)
         self.metrics.track_running(lambda: len(self._running))
+        self.metrics.track_vllm(self._vllm_stats, model_slug(getattr(engine, "model_spec", None)))
         self.stop_event = threading.Event()
         self.requests_finished = 0  # done, cancelled or failed (one request line each)
         self.tokens_generated = 0  # published
@@ -296,6 +298,10 @@ class Worker:
             for j in group:
                 self._error(j, 500, "server_error",
                             f"the worker failed on this request ({type(exc).__name__}); the server log has the details")
+
+    def _vllm_stats(self) -> dict[str, float] | None:
+        kv = getattr(self.engine, "kv", None)  # read at each scrape: a restart replaces the engine
+        return kv.vllm_stats() if kv is not None and hasattr(kv, "vllm_stats") else None
 
     # -- engine death --------------------------------------------------------------------
     def engine_is_dead(self, exc: BaseException | None = None) -> bool:
