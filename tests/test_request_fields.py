@@ -345,3 +345,28 @@ def test_vllm_sampling_params_carry_the_fields():
     plain = sampling_params(GenRequest([1, 2, 3], SamplingParams(max_tokens=10)), None, 100)
     assert (plain.min_p, plain.min_tokens, plain.presence_penalty, plain.frequency_penalty,
             plain.repetition_penalty, plain.logit_bias) == (0.0, 0, 0.0, 0.0, 1.0, None)
+
+
+def test_the_continuous_engine_honours_them_too(engine, prompt):
+    from cotserve.engine.continuous import ContinuousEngine
+
+    tok = engine.tokenizer
+    forced = tok.encode(" banana", add_special_tokens=False)[0]
+    eos = tok.eos_token_id
+    asks = {"bias": SamplingParams(max_tokens=3, logit_bias={forced: 100.0}),
+            "min_tokens": SamplingParams(max_tokens=16, min_tokens=5, logit_bias={eos: 100.0}),
+            "penalty": SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=2.0)}
+    reqs = {k: GenRequest(list(prompt), p) for k, p in asks.items()}
+    ce = ContinuousEngine(engine, slots=4, prefill_chunk=8)
+    for r in reqs.values():
+        ce.submit(r, "dense", {})
+    results = {}
+    for deltas in ce.run():
+        for d in deltas:
+            if d.result is not None:
+                results[d.request_id] = d.result
+    got = {k: results[r.request_id] for k, r in reqs.items()}
+    assert got["bias"].token_ids == [forced] * 3
+    assert len(got["min_tokens"].token_ids) == 6 and got["min_tokens"].token_ids[-1] == eos
+    alone = engine.generate([GenRequest(list(prompt), asks["penalty"])])[0]
+    assert got["penalty"].token_ids == alone.token_ids
