@@ -441,8 +441,13 @@ def describe(limits: Limits, mode: str) -> dict[str, Any]:
     return {"mode": mode, "requested": limits.isolation, "timeout_s": limits.timeout_s,
             "cpu_s": int(limits.timeout_s) + 1, "memory_mb": limits.memory_mb,
             "max_output_mb": limits.max_output_mb, "max_processes": limits.max_processes,
-            "network": "none" if mode == "bwrap" or limits.network_namespace else "host",
+            "network": "none" if mode == "bwrap" or (limits.network_namespace and _netns_for(mode)) else "host",
             "bwrap_version": bwrap_version(), "lcb_prelude": True}
+
+
+def _netns_for(mode: str) -> bool:
+    """An unsafe mode gets its own network namespace here (when `Limits.network_namespace` asks)."""
+    return bool(pidns_prefix() if mode == "unsafe-unshare" else netns_prefix())
 
 
 def run_program(source: str, stdin: str = "", mode: str = "stdin", func_name: str | None = None,

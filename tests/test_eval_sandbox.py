@@ -376,6 +376,14 @@ def test_without_isolation_the_same_program_reads_them(tmp_path):
 
 # -- bubblewrap or a named unsafe mode --------------------------------------------------------------
 
+def test_recorded_network_matches_the_mode():
+    from cotserve.eval.sandbox import describe
+
+    assert describe(Limits(isolation="unsafe-none", network_namespace=False), "unsafe-none")["network"] == "host"
+    assert describe(Limits(), "bwrap")["network"] == "none"
+    assert describe(Limits(), "unsafe-none")["network"] == ("none" if netns_prefix() else "host")
+
+
 def test_old_mode_names_and_unknown_ones_are_refused():
     with pytest.raises(SandboxError, match="renamed --sandbox unsafe-unshare"):
         isolation_mode("unshare")
