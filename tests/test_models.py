@@ -151,4 +151,4 @@ def test_cli_error_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines == [f"error: unknown model '{tmp_path / 'x.gguf'}': not a bundled name (smollm2-135m-instruct), an existing folder, or a .gguf file"]
+    assert lines == [f"error: unknown model '{tmp_path / 'x.gguf'}': not a bundled name (smollm2-135m-instruct), an existing folder, a .gguf file, or a Hugging Face id in the local cache"]
