@@ -19,7 +19,6 @@ values apply. The source of every setting is recorded in `run_config.json`, `res
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,15 +52,10 @@ def read_generation_config(folder: Path | None) -> dict[str, float | int]:
     {} without the file. A malformed file is an error, not a silent default."""
     if folder is None:
         return {}
+    from cotserve.gateway.defaults import read_generation_config_file
+
     path = Path(folder) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise CotserveError(f"cannot parse {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise CotserveError(f"{path} must hold a JSON object")
+    data = read_generation_config_file(path)
     out: dict[str, float | int] = {}
     try:
         for key, field in GEN_FIELDS.items():

@@ -37,7 +37,8 @@ class SamplingDefaults:
                 "max_tokens": self.max_tokens, "source": self.source}
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_generation_config_file(path: Path) -> dict[str, Any]:
+    """The JSON object of `path/generation_config.json` (or of `path` itself); {} without it."""
     file = path / "generation_config.json" if path.is_dir() else path
     if not file.is_file():
         return {}
@@ -64,7 +65,7 @@ def load_defaults(mode: str, model_dir: str | Path | None, base: SamplingDefault
         path, source = Path(mode).expanduser(), str(mode)
         if not path.exists():
             raise CotserveError(f"--generation-config {mode}: no such file or folder (use auto, vllm or a path)")
-    data = _read(path)
+    data = read_generation_config_file(path)
     if mode not in ("auto",) and not data:
         raise CotserveError(f"--generation-config {mode}: no generation_config.json there")
     out = SamplingDefaults(base.temperature, base.top_p, base.top_k, base.max_tokens, base.source)
