@@ -49,3 +49,21 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def end_process_group(proc) -> None:
+    """Stop a process started with start_new_session=True and whatever of its group is left
+    (vLLM's engine and workers): SIGTERM, then SIGKILL."""
+    import os
+    import signal
+    import subprocess
+
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass

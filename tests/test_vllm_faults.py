@@ -47,15 +47,9 @@ def _start(args: list[str], log) -> subprocess.Popen:
 
 
 def _end(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            pass
+    from support import end_process_group
+
+    end_process_group(proc)
 
 
 def _tree(pid: int) -> list:

@@ -6,7 +6,6 @@ request decodes, a SkipKV request compacts and its telemetry comes back in the r
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -70,12 +69,6 @@ def test_vllm_serve_with_the_plugin_and_flat_vllm_xargs(tmp_path):
         assert typo.status_code == 400 and "kk" in typo.text
         assert chat({}).status_code == 200  # the engine is still serving
     finally:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                pass
+        from support import end_process_group
+
+        end_process_group(proc)
