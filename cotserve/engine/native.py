@@ -85,6 +85,7 @@ class Delta:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     # set when this request failed on its own (the engine goes on with the others): the client's message
     error: str | None = None
+    refused: bool = False  # with `error`: the engine refused the request as invalid (a 400, not a 500)
 
 
 @dataclass

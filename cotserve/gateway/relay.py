@@ -32,6 +32,12 @@ class JobRelay:
         self._ready_at = 0.0  # when the last positive readiness answer came
 
     async def readiness(self) -> tuple[bool, str, dict[str, int]]:
+        ok, why, stats = await self._check()
+        if not ok:
+            self._ready_at = 0.0  # a negative answer voids the trusted positive one at once
+        return ok, why, stats
+
+    async def _check(self) -> tuple[bool, str, dict[str, int]]:
         try:
             if not await self.queue.ping():
                 return False, "the queue backend does not answer", {}
@@ -43,7 +49,8 @@ class JobRelay:
         return True, "ready", stats
 
     async def request_ready(self) -> None:
-        """503 unless ready; a positive answer is trusted for a second (saves queue round trips)."""
+        """503 unless ready; a positive answer is trusted for a second (saves queue round trips),
+        unless a readiness check (/ready, or another request) has answered negatively since."""
         if time.monotonic() - self._ready_at < 1.0:
             return
         ok, why, _ = await self.readiness()
@@ -100,6 +107,8 @@ class JobRelay:
                     after = eid
                     if ev.get("t") == "error" and isinstance(ev.get("message"), str):
                         ev = {**ev, "message": redact_paths(ev["message"])}  # whichever worker wrote it
+                    if ev.get("t") == "error" and ev.get("code") == "engine_failed":
+                        self._ready_at = 0.0  # the next request asks the queue again
                     if ev.get("t") == "done":
                         done += 1
                     if ev.get("t") == "error" or done >= n:

@@ -59,6 +59,7 @@ class VLLMOptions:
     enable_prefix_caching: bool = False  # on: dense traffic shares prompt prefixes; eviction is then refused
     kv_cache_dtype: str | None = None
     quantization: str | None = None
+    bench_replay: bool = False  # benchmarks only: accept replayed requests (GenRequest.forced_ids; vllm/replay.py)
     extra: dict[str, Any] = field(default_factory=dict)  # `--vllm-arg KEY=VALUE`: any AsyncEngineArgs field
 
 
@@ -124,6 +125,10 @@ class VLLMEngine:
         if problem:
             raise ModelError(problem)
         opts = options or VLLMOptions()
+        if opts.bench_replay:  # read by ReplayForcer in vLLM's engine processes, which inherit it
+            from cotserve.vllm.replay import ENV
+
+            os.environ[ENV] = "1"
         path = resolve_model(model)
         dev = pick_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -42,6 +42,10 @@ def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions
 
     s = req.sampling
     max_tokens = max(1, min(s.max_tokens, max_positions - len(req.prompt_ids)))
+    if req.forced_ids is not None:  # benchmark replay (vllm/replay.py refuses it on an engine not started for it)
+        from cotserve.vllm.replay import ARG
+
+        extra = {**(extra or {}), ARG: list(req.forced_ids)}
     seed = None if (s.seed_drawn and not seeds) else s.seed
     return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
                           top_k=s.top_k, seed=seed, stop=list(s.stop),

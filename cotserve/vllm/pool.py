@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cotserve.engine.native import Completion, Delta, GenRequest
-from cotserve.errors import EngineDead
+from cotserve.errors import EngineDead, redact_paths
 from cotserve.policies.base import PolicyStack
-from cotserve.vllm.failures import is_engine_dead
+from cotserve.vllm.failures import is_engine_dead, refusal
 from cotserve.vllm.params import policy_extra_args, worker_logprobs
 
 if TYPE_CHECKING:
@@ -182,5 +182,9 @@ class VLLMPool:
 
     def _failed(self, fl: _Flight, exc: BaseException) -> Delta:
         self._end(fl)
+        why = refusal(exc)
+        if why is not None:
+            return Delta(fl.req.request_id, [], "", finished=True, finish_reason="error", refused=True,
+                         error=f"vLLM refused this request: {redact_paths(why)}")
         return Delta(fl.req.request_id, [], "", finished=True, finish_reason="error",
                      error=f"vLLM failed on this request ({type(exc).__name__})")

@@ -27,6 +27,7 @@ from typing import Any
 
 from cotserve.engine.continuous import ContinuousEngine
 from cotserve.engine.native import Delta, NativeEngine
+from cotserve.engine.replay import ReplayText
 from cotserve.errors import CotserveError, EngineDead, RequestError
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue, kv_need
@@ -57,10 +58,12 @@ class ContinuousWorker(Worker):
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
                  poll_s: float = 0.01, cancel_poll_s: float = 0.05, prefill_chunk: int = 256,
                  stats_s: float = 10.0, metrics: WorkerMetrics | None = None, pool_len: int = 4096,
-                 restart: Callable[[], Any] | None = None, restarts: int = 3, restart_backoff_s: float = 1.0):
+                 restart: Callable[[], Any] | None = None, restarts: int = 3, restart_backoff_s: float = 1.0,
+                 replay: ReplayText | None = None):
         super().__init__(engine, queue, worker_id=worker_id, max_batch=max_batch, max_wait=max_wait,
                          heartbeat_s=heartbeat_s, poll_s=poll_s, cancel_poll_s=cancel_poll_s, stats_s=stats_s,
-                         metrics=metrics, restart=restart, restarts=restarts, restart_backoff_s=restart_backoff_s)
+                         metrics=metrics, restart=restart, restarts=restarts, restart_backoff_s=restart_backoff_s,
+                         replay=replay)
         self.prefill_chunk = prefill_chunk
         self.pool_len = pool_len
         self.pool = self._new_pool()
@@ -218,7 +221,7 @@ class ContinuousWorker(Worker):
             if d.error is not None:  # this sequence failed on its own: its job fails, the others go on
                 self._seq.pop(d.request_id, None)
                 self._last_token_at.pop(d.request_id, None)
-                self._fail_job(run, d.error)
+                self._fail_job(run, d.error, d.refused)
                 continue
             events: list[dict[str, Any]] = []
             ids, text = list(d.token_ids), d.text
@@ -256,9 +259,10 @@ class ContinuousWorker(Worker):
                     self._log_request(job, d.result.finish_reason, d.result.prompt_tokens,
                                       d.result.completion_tokens, run.first_token_at, d.result.telemetry)
 
-    def _fail_job(self, run: _Running, message: str) -> None:
+    def _fail_job(self, run: _Running, message: str, refused: bool = False) -> None:
         """One of the job's sequences failed in the engine: the job ends with an error event (its
-        other sequences are stopped); every other job goes on."""
+        other sequences are stopped; a 400 when the engine refused the request as invalid, else a
+        500); every other job goes on."""
         if self._jobs.pop(run.job.id, None) is None:
             return
         log.warning("request %s failed in the engine: %s", run.job.id, message)
@@ -266,7 +270,10 @@ class ContinuousWorker(Worker):
             if rid in self._seq:
                 self.pool.cancel(rid)
                 self._seq.pop(rid, None)
-        self._error(run.job, 500, "server_error", f"{message}; the server log has the details")
+        if refused:
+            self._error(run.job, 400, "invalid_request_error", message)
+        else:
+            self._error(run.job, 500, "server_error", f"{message}; the server log has the details")
         self._stream_len.pop(run.job.id, None)
         self.jobs_done += 1
 

@@ -33,6 +33,7 @@ class EngineArgs:
     scheduler: str = "continuous"  # continuous | static (worker/continuous.py, make_worker)
     prefill_chunk: int = 256  # continuous: prompt tokens prefilled per engine step
     pool_len: int = 4096  # continuous, CUDA: KV entries per slot of the pooled (captured) decode step
+    bench_replay: str | None = None  # benchmarks only: replies follow this text (engine/replay.py), not the model
 
 
 def make_engine(engine_args: EngineArgs):
@@ -49,12 +50,24 @@ def make_engine(engine_args: EngineArgs):
                          + (f": {redact_paths(first)}" if first else "")) from exc
 
 
+def bench_replay(engine, engine_args: EngineArgs):
+    """The replayed text of `--bench-replay` in the engine's vocabulary (None when off)."""
+    if not engine_args.bench_replay:
+        return None
+    from cotserve.engine.replay import load_replay
+
+    replay = load_replay(engine_args.bench_replay, engine.tokenizer)
+    log.warning("benchmark replay is on: every reply follows the text of %s (%d tokens), not the model's choices",
+                replay.source, len(replay.ids))
+    return replay
+
+
 def _make_engine(engine_args: EngineArgs):
     if engine_args.engine == "vllm":
         from cotserve.vllm.engine import VLLMEngine, VLLMOptions
 
         return VLLMEngine(engine_args.model, device=engine_args.device, dtype=engine_args.dtype,
-                          options=VLLMOptions(**engine_args.vllm_options))
+                          options=VLLMOptions(**engine_args.vllm_options, bench_replay=bool(engine_args.bench_replay)))
     if engine_args.engine != "native":
         raise CotserveError(f"unknown engine {engine_args.engine!r} (native or vllm)")
     from cotserve.engine.native import NativeEngine
@@ -99,7 +112,8 @@ class EmbeddedWorker:
             self.worker = make_worker(engine, self.queue, self.engine_args.scheduler, self.engine_args.prefill_chunk,
                                       pool_len=self.engine_args.pool_len, worker_id=self.worker_id,
                                       max_batch=self.engine_args.max_batch, max_wait=self.engine_args.max_wait,
-                                      restart=lambda: make_engine(self.engine_args))
+                                      restart=lambda: make_engine(self.engine_args),
+                                      replay=bench_replay(engine, self.engine_args))
             if self._stopping.is_set():
                 _close(engine)
                 return
@@ -180,7 +194,7 @@ def run_worker(redis_url: str, key_prefix: str, engine_args: EngineArgs, worker_
         worker = make_worker(engine, queue, engine_args.scheduler, engine_args.prefill_chunk, pool_len=engine_args.pool_len, worker_id=worker_id,
                              max_batch=engine_args.max_batch, max_wait=engine_args.max_wait,
                              heartbeat_s=heartbeat_s, stats_s=stats_s, metrics=metrics,
-                             restart=lambda: make_engine(engine_args))
+                             restart=lambda: make_engine(engine_args), replay=bench_replay(engine, engine_args))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: worker.stop())
         log.info("worker %s serving %s from %s (prefix %r, %s scheduler)", worker.worker_id, engine_args.model,

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cotserve.engine.native import GenRequest, NativeEngine
+from cotserve.engine.replay import ReplayText
 from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError, EngineDead, PolicyError, RequestError, redact_paths
 from cotserve.model_names import model_slug
@@ -64,8 +65,10 @@ class Worker:
                  max_batch: int | None = None, max_wait: float = 0.02, heartbeat_s: float = 1.0,
                  poll_s: float = 0.01, cancel_poll_s: float = 0.05, outage_s: float = 30.0,
                  stats_s: float = 10.0, metrics: WorkerMetrics | None = None,
-                 restart: Callable[[], Any] | None = None, restarts: int = 3, restart_backoff_s: float = 1.0):
+                 restart: Callable[[], Any] | None = None, restarts: int = 3, restart_backoff_s: float = 1.0,
+                 replay: ReplayText | None = None):
         self.engine = engine
+        self.replay = replay  # benchmarks only (--bench-replay): each sequence's tokens follow this text
         # after the engine died: a new one from `restart()`, at most `restarts` tries, waiting
         # restart_backoff_s, then twice that, ...; without `restart` (or when every try fails) the
         # worker stops and `run` raises EngineDead
@@ -409,16 +412,17 @@ class Worker:
             return False, None
         return True, st
 
-    @staticmethod
-    def _copies(job: Job, n: int, sampling: dict[str, Any]) -> list[GenRequest]:
+    def _copies(self, job: Job, n: int, sampling: dict[str, Any]) -> list[GenRequest]:
         """The job's n sequences of one prompt: seeds seed, seed+1, ... (distinct samples); request
-        ids `job` (n = 1) or `job/i`."""
+        ids `job` (n = 1) or `job/i`. Under benchmark replay each follows its own part of the text."""
         copies = []
         for i in range(n):
             params = SamplingParams(**sampling)
             if i and params.seed is not None:
                 params.seed = (params.seed + i) % (1 << 64)
-            copies.append(GenRequest(list(job.prompt_ids), params, request_id=job.id if n == 1 else f"{job.id}/{i}"))
+            rid = job.id if n == 1 else f"{job.id}/{i}"
+            forced = self.replay.tokens(rid, params.max_tokens) if self.replay is not None else None
+            copies.append(GenRequest(list(job.prompt_ids), params, request_id=rid, forced_ids=forced))
         return copies
 
     def _run_same_policy(self, jobs: list[Job], resume_all: bool = False) -> None:
