@@ -219,6 +219,7 @@ def bench_decode(
     static_step: Annotated[bool | None, typer.Option("--static-step/--no-static-step", help="continuous: the "
                                                      "pooled fixed-shape decode step (on CUDA captured per batch-size "
                                                      "bucket) or the eager step; default: pooled on CUDA.")] = None,
+    replay: ReplayOpt = None,
 ) -> None:
     """Decode throughput of policies side by side on the same prompts (and transformers' generate)."""
     if engine == "vllm":
@@ -231,7 +232,7 @@ def bench_decode(
                 [int(x) for x in (contexts or str(context)).split(",")],
                 [int(x) for x in (batches or str(batch)).split(",")], new_tokens, model,
                 parse_options(policy_opt, policy_file), plugin=plugin,
-                gpu_memory_utilization=gpu_memory_utilization or 0.75)
+                gpu_memory_utilization=gpu_memory_utilization or 0.75, replay=replay, data_dir=data_dir)
         except CotserveError as exc:
             fail(str(exc))
             return
@@ -244,7 +245,7 @@ def bench_decode(
             policies=[policy], context=context, batch=batch,
             new_tokens=new_tokens, policy_opt=policy_opt, policy_file=policy_file, model=model,
             hf_baseline=hf_baseline, data_dir=data_dir, device=device, dtype=dtype, interleave=interleave,
-            random_tokens=random_tokens, scheduler=scheduler, static_step=static_step,
+            random_tokens=random_tokens, scheduler=scheduler, static_step=static_step, replay=replay,
         )
     except CotserveError as exc:
         fail(str(exc))
@@ -304,6 +305,10 @@ PoolLenOpt = Annotated[int, typer.Option("--pool-len", help="continuous, CUDA: K
                                           "decode step (captured in CUDA graphs); a sequence that needs more "
                                           "(prompt + max_tokens) decodes in the eager step. The pool holds "
                                           "--max-batch x this many entries once a sequence joins it.")]
+ReplayOpt = Annotated[str | None, typer.Option(
+    "--replay", help="Benchmark replay: every request's tokens follow the text SOURCE ('math': math_train.jsonl "
+    "of the data directory, or a JSONL/text file) instead of the model's choices, so policies see a real text's "
+    "sentence boundaries at its rates (random weights included). Off by default.")]
 BenchReplayOpt = Annotated[str | None, typer.Option(
     "--bench-replay", help="Benchmarks only, off by default: every reply follows the text SOURCE instead of the "
     "model's choices (the model still computes each step), so policies see a real text's sentence boundaries on "
@@ -630,6 +635,8 @@ def bench_capacity(
     dtype: Annotated[str, typer.Option(help="auto (bfloat16), float32, bfloat16 or float16.")] = "auto",
     enforce_eager: Annotated[bool, typer.Option(help="No CUDA graphs, no torch.compile.")] = False,
     json_out: Annotated[str | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    replay: ReplayOpt = None,
+    data_dir: Annotated[str | None, typer.Option(help="Dataset folder for --replay math ($COTSERVE_DATA_DIR).")] = None,
 ) -> None:
     """Requests running at once, time to finish and tok/s per policy on the same vLLM KV memory."""
     if engine != "vllm":
@@ -644,7 +651,8 @@ def bench_capacity(
 
         report = run_capacity_bench([p.strip() for p in policy.split(",") if p.strip()], prompt_tokens, new_tokens,
                                     requests, kv_cache_memory, model, parse_options(policy_opt, policy_file),
-                                    dtype=dtype, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
+                                    dtype=dtype, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+                                    replay=replay, data_dir=data_dir)
     except CotserveError as exc:
         fail(str(exc))
         return

@@ -82,3 +82,31 @@ def test_bench_decode_reports_ratios_against_the_kernel_dense_and_eviction_peaks
     # allocation: max(prompt, budget + interval) entries (the prompt is written before it is compacted)
     assert ev["kv_bytes_per_seq_allocated"] == 64 * per_entry
     assert ev["telemetry"]["kv_entries_peak"] == 64 and ev["telemetry"]["kv_entries_allocated"] == 64
+
+
+def test_bench_decode_with_replay_runs_on_the_texts_tokens(engine, data_dir, tmp_path):
+    """`--replay`: every row decodes the replayed text (the same tokens for every policy, none the
+    model's greedy choice), SFI's slow-step ratio is the text's boundary rate, the report names
+    the source, and transformers' generate (which cannot replay) is left out."""
+    from cotserve.bench.decode import run_decode_bench
+    from cotserve.bench.prompts import long_prompts
+    from cotserve.engine.replay import load_replay
+    from cotserve.policies.boundaries import sentence_end_ids
+
+    src = tmp_path / "text.txt"
+    src.write_text("We add the two numbers. The sum is even. Then we divide by two, and check it. " * 30)
+    rep = run_decode_bench(["dense", "sfi[k=16,recent=8,max_interval=100000,dense_heads=0]"], context=64, batch=2,
+                           new_tokens=33, policy_opt=None, policy_file=None, model="smollm2-135m-instruct",
+                           hf_baseline=True, data_dir=str(data_dir), device="cpu", dtype="float32",
+                           interleave=False, replay=str(src))
+    text = load_replay(str(src), engine.tokenizer)
+    assert rep["replay"] == {"source": "text.txt", "tokens": len(text.ids)}
+    assert [r["row"] for r in rep["results"]] == ["dense", "sfi[k=16,recent=8,max_interval=100000,dense_heads=0]"]
+    sfi = rep["results"][1]["telemetry"]
+    ends = sentence_end_ids(engine.tokenizer)
+    # decode steps 1..32 feed tokens 0..31; a step fires when the token before its input ended a
+    # sentence (the prompt's last token for the first): the text's rate, averaged over the two prompts
+    prompts = long_prompts(engine.tokenizer, 64, 2, str(data_dir))
+    steps = [sum(t in ends for t in [p[-1], *text.tokens(i, 33)][:32]) for i, p in enumerate(prompts)]
+    assert sfi["sfi_slow_steps"] == sum(steps) / 2 and sfi["sfi_slow_steps"] >= 4
+

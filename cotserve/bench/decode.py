@@ -27,10 +27,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _requests(prompts: list[list[int]], n: int, forced: list[list[int]] | None = None) -> list[GenRequest]:
+    """One request per prompt, `n` tokens each (ignore_eos); `forced`: each one's replayed tokens."""
+    return [GenRequest(p, SamplingParams(max_tokens=n, ignore_eos=True),
+                       forced_ids=None if forced is None else forced[i][:n]) for i, p in enumerate(prompts)]
+
+
 def time_native(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, policy: str,
-                options: dict[str, Any]) -> dict[str, Any]:
+                options: dict[str, Any], forced: list[list[int]] | None = None) -> dict[str, Any]:
     stack = build_policy(policy, options)
-    reqs = [GenRequest(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
+    reqs = _requests(prompts, new_tokens, forced)
     dev = engine.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -52,7 +58,8 @@ def time_native(engine: NativeEngine, prompts: list[list[int]], new_tokens: int,
 
 
 def time_continuous(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, policy: str,
-                    options: dict[str, Any], static_step: bool | None = None) -> dict[str, Any]:
+                    options: dict[str, Any], static_step: bool | None = None,
+                    forced: list[list[int]] | None = None) -> dict[str, Any]:
     """The same prompts through the continuous engine (`--scheduler continuous`): one pool of
     len(prompts) slots, every prompt prefilled in the first step, then decode steps until all
     finish. `static_step`: the engine's switch (None: the pooled step captured in CUDA graphs on
@@ -67,8 +74,8 @@ def time_continuous(engine: NativeEngine, prompts: list[list[int]], new_tokens: 
     dev = engine.device
 
     def submit(ps: list[list[int]], n: int) -> None:
-        for p in ps:
-            ce.submit(GenRequest(p, SamplingParams(max_tokens=n, ignore_eos=True)), policy, options)
+        for r in _requests(ps, n, forced):
+            ce.submit(r, policy, options)
 
     submit([p[:64] for p in prompts], 4)  # warm-up: the bucket's capture, kernel compilation
     for _ in ce.run():
@@ -174,7 +181,8 @@ def time_hf_generate(engine: NativeEngine, prompts: list[list[int]], new_tokens:
 
 
 def time_native_interleaved(engine: NativeEngine, prompts: list[list[int]], new_tokens: int,
-                            runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[list]]:
+                            runs: list[tuple[str, dict[str, Any]]], forced: list[list[int]] | None = None
+                            ) -> tuple[list[dict[str, Any]], list[list]]:
     """Like `time_native` for several policies at once, interleaved: each policy's batch is
     prefilled in turn (timed alone), then their decode steps run round-robin, one step of each in
     turn, and each step is timed on its own. A drift of the machine's speed (a shared VM's memory
@@ -186,8 +194,7 @@ def time_native_interleaved(engine: NativeEngine, prompts: list[list[int]], new_
     state = []
     for policy, options in runs:
         stack = build_policy(policy, options)
-        reqs = [GenRequest(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
-        gen = engine.stream(reqs, stack)
+        gen = engine.stream(_requests(prompts, new_tokens, forced), stack)
         _sync(dev)
         t0 = time.perf_counter()
         first = next(gen)  # prefill and the first token of each sequence
@@ -219,10 +226,12 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
                      policy_opt: list[str] | None, policy_file: str | None, model: str,
                      hf_baseline: bool, data_dir: str | None, device: str, dtype: str,
                      interleave: bool = True, random_tokens: bool = False, scheduler: str = "static",
-                     static_step: bool | None = None) -> dict[str, Any]:
+                     static_step: bool | None = None, replay: str | None = None) -> dict[str, Any]:
     """`policies`: rows as `bench.specs` reads them (`dense`, `dense[kernel=torch]`, `sfi`, ...).
     `scheduler`: static (the native engine's batch, `NativeEngine.stream`) or continuous (the
-    continuous engine, `time_continuous`, rows one after the other; `static_step` its switch)."""
+    continuous engine, `time_continuous`, rows one after the other; `static_step` its switch).
+    `replay`: a benchmark replay source (`cotserve.engine.replay`): every request's tokens follow
+    that text (transformers' generate, which cannot replay, is then left out)."""
     if scheduler not in ("static", "continuous"):
         raise CotserveError(f"scheduler must be static or continuous (got {scheduler!r})")
     from cotserve.bench.prompts import long_prompts_with_source
@@ -233,23 +242,29 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
     runs = [(s.policy, {**_options_for(s.policy, options), **s.options}) for s in specs]
     for p, opts in runs:  # fail fast on a bad policy or option, before loading anything
         build_policy(p, opts)
+    if replay:
+        from cotserve.engine.replay import load_replay, replay_path
+
+        replay_path(replay, data_dir)
     engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=batch)
     prompts, source = long_prompts_with_source(engine.tokenizer, context, batch, data_dir, random_tokens=random_tokens)
+    text = load_replay(replay, engine.tokenizer, data_dir) if replay else None
+    forced = [text.tokens(i, new_tokens) for i in range(batch)] if text is not None else None
     # warm-up (allocator, kernels) so the first policy is not penalised
     time_native(engine, [p[:64] for p in prompts], 4, "dense", {})
     if scheduler == "continuous":
-        rows = [time_continuous(engine, prompts, new_tokens, p, opts, static_step) for p, opts in runs]
+        rows = [time_continuous(engine, prompts, new_tokens, p, opts, static_step, forced) for p, opts in runs]
     elif interleave and len(runs) > 1:
-        rows, _ = time_native_interleaved(engine, prompts, new_tokens, runs)
+        rows, _ = time_native_interleaved(engine, prompts, new_tokens, runs, forced)
     else:
-        rows = [time_native(engine, prompts, new_tokens, p, opts) for p, opts in runs]
+        rows = [time_native(engine, prompts, new_tokens, p, opts, forced) for p, opts in runs]
     for row, spec, (_, opts) in zip(rows, specs, runs, strict=True):
         row["row"] = spec.label
         row["options"] = opts
     # the reference: the first plain dense row (the best dense on the device), else the first row
     base = next((r for r in rows if r["row"] == "dense"), None) or next(
         (r for r in rows if r["policy"] == "dense"), None)
-    if hf_baseline:
+    if hf_baseline and text is None:
         hf = time_hf_generate(engine, prompts, new_tokens)
         hf["row"] = hf["policy"]
         hf["implementation"] = {"attention": "transformers sdpa"}
@@ -269,6 +284,7 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
         "new_tokens": new_tokens,
         "policy_options": options,
         "text_source": source.describe(),
+        "replay": text.describe() if text is not None else None,
         "ratio_reference": ref.get("row"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

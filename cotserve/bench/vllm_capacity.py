@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cotserve.bench.vllm_decode import _params, emit, model_folder
+from cotserve.bench.vllm_decode import _params, emit, model_folder, replay_params, replay_setup, row_telemetry
 from cotserve.errors import CotserveError
 from cotserve.jsonl import read_jsonl
 
@@ -30,7 +30,10 @@ from cotserve.jsonl import read_jsonl
 def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int, requests: int,
                        kv_cache_memory: int, model: str, policy_opt: dict[str, Any] | None, dtype: str = "auto",
                        max_num_seqs: int | None = None, max_num_batched_tokens: int = 16384,
-                       enforce_eager: bool = False, seed: int = 0) -> dict[str, Any]:
+                       enforce_eager: bool = False, seed: int = 0, replay: str | None = None,
+                       data_dir: str | None = None) -> dict[str, Any]:
+    """`replay`: a benchmark replay source (`cotserve.engine.replay`): every request's tokens follow
+    that text, so sentences, thoughts and refreshes come at its rates."""
     if requests < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise CotserveError("--requests, --prompt-tokens and --new-tokens must be positive")
     if kv_cache_memory <= 0:
@@ -55,6 +58,7 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
                                   async_scheduling=False)
     if dummy:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
+    text = replay_setup(replay, kwargs, dummy, data_dir)
     if torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"
     t0 = time.perf_counter()
@@ -67,11 +71,13 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     opts = dict(policy_opt or {})
     rows = []
     for pol in policies:  # warm-up: a short request through each policy
-        _run(engine, [[1] * 64], _params(SamplingParams, pol, opts, 4), f"warm-{pol}")
+        _run(engine, [[1] * 64], replay_params(_params(SamplingParams, pol, opts, 4), text, f"warm-{pol}", 1),
+             f"warm-{pol}")
     runtime_last: dict[str, Any] | None = None
     for pol in policies:
         s0, t_start = stats_path.stat().st_size, tele_path.stat().st_size
-        res = _run(engine, prompts, _params(SamplingParams, pol, opts, new_tokens), f"{pol}")
+        res = _run(engine, prompts, replay_params(_params(SamplingParams, pol, opts, new_tokens), text, pol,
+                                                  len(prompts)), f"{pol}")
         steps = _sched_steps(stats_path, s0)
         busy = [x for x in steps if x[0] + x[1] > 0]  # while any request was unfinished
         running = [x[0] for x in busy]
@@ -81,9 +87,9 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
         row = {"policy": pol, "requests": requests, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
                "running_max": max(running, default=0),
                "running_mean": round(sum(running) / len(running), 2) if running else 0.0,
-               "steps": len(busy), "preemptions": (busy[-1][3] - steps[0][3]) if busy else 0, **res}
+               "steps": len(busy), "preemptions": (busy[-1][3] - steps[0][3]) if busy else 0, **res,
+               "replay": text.source if text is not None else None, **row_telemetry(tele)}
         if tele:
-            row["compactions_mean"] = round(sum(t.get("compactions", 0) for t in tele) / len(tele), 2)
             row["kv_entries_peak_max"] = max(t.get("kv_entries_peak", 0) for t in tele)
             row["recomputed"] = sum(t.get("recomputed", 0) for t in tele)
         if runtime and pol != "dense":  # the eviction runtime's cost in this row (cumulative counters)
@@ -106,6 +112,7 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "kv_cache_memory_bytes": kv_cache_memory, "max_num_seqs": seqs, "policy_opt": opts,
             "startup_s": round(startup, 1), "rows": rows,
+            "replay": text.describe() if text is not None else None,
             "method": "R requests added at once to one vLLM engine per policy row; running = the scheduler's "
                       "running count after each schedule() (mean over the steps until the last request "
                       "finished); finish_s = time from adding the requests to the last token; tok/s = all "
@@ -119,11 +126,11 @@ def _sched_steps(path: Path, start: int) -> list[tuple[int, ...]]:
         return [tuple(int(x) for x in line.split()) for line in f if len(line.split()) == 4]
 
 
-def _run(engine, prompts: list[list[int]], params, tag: str) -> dict[str, Any]:
+def _run(engine, prompts: list[list[int]], params: list, tag: str) -> dict[str, Any]:
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     t0 = time.perf_counter()
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    for rid, p, sp in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
     counts = dict.fromkeys(ids, 0)
     steps = 0
     while engine.has_unfinished_requests():
@@ -153,12 +160,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy-opt", action="append", default=[])
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--replay", default=None, help="benchmark replay source: 'math' or a JSONL/text file")
+    ap.add_argument("--data-dir", default=None)
     a = ap.parse_args(argv)
     from cotserve.policies.registry import parse_options
 
     report = run_capacity_bench([p for p in a.policy.split(",") if p], a.prompt_tokens, a.new_tokens, a.requests,
                                 a.kv_cache_memory, a.model, parse_options(a.policy_opt),
-                                max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager)
+                                max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager, replay=a.replay,
+                                data_dir=a.data_dir)
     emit(report, a.json)
 
 

@@ -36,6 +36,38 @@ def model_folder(model: str, max_len: int) -> tuple[str, bool]:
     return folder, dummy
 
 
+def replay_setup(replay: str | None, kwargs: dict[str, Any], dummy: bool, data_dir: str | None = None):
+    """Benchmark replay for a vLLM bench (`cotserve.engine.replay`): the text's token stream, with
+    the engine started to accept it; random weights get the bundled model's tokenizer, so that the
+    text has a vocabulary and the plugin sees its sentence boundaries. None when off."""
+    if not replay:
+        return None
+    from transformers import AutoTokenizer
+
+    from cotserve.engine.replay import ENV, load_replay, replay_path
+
+    replay_path(replay, data_dir)  # a missing source fails before vLLM starts
+    if dummy:
+        from cotserve.models import resolve_model
+
+        kwargs.update(tokenizer=str(resolve_model("smollm2-135m-instruct")), skip_tokenizer_init=False)
+    tok = AutoTokenizer.from_pretrained(kwargs.get("tokenizer") or kwargs["model"])
+    os.environ[ENV] = "1"  # before vLLM starts its processes
+    return load_replay(replay, tok, data_dir)
+
+
+def replay_params(params, replay, tag: str, n: int) -> list:
+    """One request's params per prompt: each with its own part of the replayed text."""
+    if replay is None:
+        return [params] * n
+    out = []
+    for i in range(n):
+        p = params.clone()
+        p.extra_args = {**(p.extra_args or {}), "cotserve_replay": replay.tokens(f"{tag}-{i}", p.max_tokens)}
+        out.append(p)
+    return out
+
+
 def emit(report: dict[str, Any], path: str | None) -> None:
     """Print the report as JSON, and write it to `path` when given."""
     text = json.dumps(report, indent=2)
@@ -66,7 +98,9 @@ def _model_folder(model: str) -> tuple[str, bool]:
 def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: list[int], new_tokens: int,
                           model: str, policy_opt: dict[str, Any] | None, plugin: bool, dtype: str = "auto",
                           gpu_memory_utilization: float = 0.75, enforce_eager: bool = False,
-                          seed: int = 0) -> dict[str, Any]:
+                          seed: int = 0, replay: str | None = None, data_dir: str | None = None) -> dict[str, Any]:
+    """`replay`: a benchmark replay source (`cotserve.engine.replay`): every request's tokens follow
+    that text, so SFI's refreshes come at its sentence boundaries."""
     if len(contexts) != len(batches):
         raise CotserveError("--context and --batch need the same number of values (one row per pair)")
     if not plugin and any(p != "dense" for p in policies):
@@ -86,6 +120,7 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
                                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
     if dummy:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
+    text = replay_setup(replay, kwargs, dummy, data_dir)
     if plugin and torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"
     t0 = time.perf_counter()
@@ -98,19 +133,22 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     rows = []
     # warm-up: a short batch through each policy
     for pol in policies:
-        _decode(engine, [[1] * 64], _params(SamplingParams, pol, opts, 4), f"warm-{pol}")
+        _decode(engine, [[1] * 64], replay_params(_params(SamplingParams, pol, opts, 4), text, f"warm-{pol}", 1),
+                f"warm-{pol}")
     for ctx, bsz in zip(contexts, batches, strict=True):
         prompts = [torch.randint(100, vocab - 100, (ctx,), generator=gen).tolist() for _ in range(bsz)]
         for pol in policies:
             start = tele_path.stat().st_size
-            res = _decode(engine, prompts, _params(SamplingParams, pol, opts, new_tokens + 1), f"{pol}-{ctx}-{bsz}")
+            tag = f"{pol}-{ctx}-{bsz}"
+            res = _decode(engine, prompts, replay_params(_params(SamplingParams, pol, opts, new_tokens + 1), text,
+                                                         tag, bsz), tag)
             tele = list(read_jsonl(tele_path, start=start))
             row = {"policy": pol, "context": ctx, "batch": bsz, "new_tokens": new_tokens, **res,
-                   "engine": "vllm" + ("" if plugin else " (stock, no plugin)")}
-            tele = [t for t in tele if t.get("tag", "").startswith(f"{pol}-{ctx}-{bsz}")] or tele
+                   "engine": "vllm" + ("" if plugin else " (stock, no plugin)"),
+                   "replay": text.source if text is not None else None}
+            tele = [t for t in tele if t.get("tag", "").startswith(tag)] or tele
+            row.update(row_telemetry(tele))
             if pol != "dense" and tele:
-                for key in ("sfi_slow_step_ratio", "sfi_retained_ratio"):
-                    row[key] = round(sum(t[key] for t in tele) / len(tele), 4)
                 row["refresh_host_s"] = tele[-1].get("runtime_refresh_host_s")
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -126,8 +164,20 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     return {"bench": "decode", "engine": "vllm", "plugin": plugin, "model": model, "vllm": vllm.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "policy_opt": opts, "startup_s": round(startup, 1), "rows": rows,
+            "replay": text.describe() if text is not None else None,
             "method": "decode tok/s = tokens generated after every request has its first token / time from "
                       "then to the last token; prefix caching off; max_num_batched_tokens 65536"}
+
+
+def row_telemetry(tele: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a row ran with, averaged over its requests' telemetry lines: SFI's slow-step and
+    retained ratios, eviction's compactions (None where the row has no such policy)."""
+    def mean(key: str):
+        vals = [t[key] for t in tele if isinstance(t.get(key), (int, float))]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    return {"sfi_slow_step_ratio": mean("sfi_slow_step_ratio"), "sfi_retained_ratio": mean("sfi_retained_ratio"),
+            "compactions_mean": mean("compactions")}
 
 
 def _params(cls, policy: str, opts: dict[str, Any], max_tokens: int):
@@ -137,10 +187,10 @@ def _params(cls, policy: str, opts: dict[str, Any], max_tokens: int):
     return cls(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra, detokenize=False)
 
 
-def _decode(engine, prompts: list[list[int]], params, tag: str) -> dict[str, Any]:
+def _decode(engine, prompts: list[list[int]], params: list, tag: str) -> dict[str, Any]:
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    for rid, p, sp in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
     counts = dict.fromkeys(ids, 0)
     t_start = time.perf_counter()
     t_first = None
@@ -175,13 +225,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.75)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--replay", default=None, help="benchmark replay source: 'math' or a JSONL/text file")
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16 or float16")
+    ap.add_argument("--data-dir", default=None)
     a = ap.parse_args(argv)
     from cotserve.policies.registry import parse_options
 
     report = run_vllm_decode_bench([p for p in a.policy.split(",") if p], [int(x) for x in a.context.split(",")],
                                    [int(x) for x in a.batch.split(",")], a.new_tokens, a.model,
                                    parse_options(a.policy_opt), plugin=not a.no_plugin,
-                                   gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager)
+                                   gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+                                   replay=a.replay, data_dir=a.data_dir, dtype=a.dtype)
     emit(report, a.json)
 
 
