@@ -159,3 +159,35 @@ def test_vllm_worker_replays_the_text_and_sfi_refreshes_at_its_boundaries(tmp_pa
     monkeypatch.delenv(ENV, raising=False)  # an engine not started for replay (a plain `vllm serve`)
     with pytest.raises(ValueError, match="benchmark facility"):
         ReplayForcer.validate_params(Params())
+
+
+def test_bench_replay_option_reaches_the_served_worker(tmp_path):
+    """`--bench-replay` as `cotserve serve` passes it (EngineArgs): the embedded worker replays
+    the file; a missing source is refused by the CLI before any model loads."""
+    import subprocess
+    import sys
+
+    from cotserve.worker.main import EmbeddedWorker, EngineArgs
+
+    src = tmp_path / "cot.txt"
+    src.write_text("Let me think about this. First we factor the number, then we check each factor. " * 20)
+    q = InProcessQueue()
+    ew = EmbeddedWorker(EngineArgs(bench_replay=str(src)), q, worker_id="w-replay").start()
+    try:
+        deadline = time.time() + 120
+        while ew.worker is None:
+            assert ew.error is None and time.time() < deadline, ew.error
+            time.sleep(0.1)
+        job = Job(prompt_ids=ew.worker.engine.tokenizer.encode("Hi"), sampling={"max_tokens": 24, "temperature": 0.0})
+        asyncio.run(q.submit(job, 8))
+        while not any(e["t"] in ("done", "error") for e in q.published(job.id)):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert _ids(q.published(job.id)) == ew.worker.replay.tokens(job.id, 24)
+        assert ew.worker.replay.source == "cot.txt"
+    finally:
+        ew.close()
+    r = subprocess.run([sys.executable, "-m", "cotserve.cli", "serve", "--bench-replay", str(tmp_path / "none.jsonl")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "is not a file" in r.stderr and "Traceback" not in r.stderr
+    assert str(tmp_path) not in r.stderr
