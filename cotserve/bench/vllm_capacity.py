@@ -22,7 +22,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cotserve.bench.vllm_decode import _params, emit, model_folder, replay_params, replay_setup, row_telemetry
+from cotserve.bench.vllm_decode import (
+    _params,
+    emit,
+    flush_telemetry,
+    model_folder,
+    replay_params,
+    replay_setup,
+    row_telemetry,
+)
 from cotserve.errors import CotserveError
 from cotserve.jsonl import read_jsonl
 
@@ -73,12 +81,14 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     for pol in policies:  # warm-up: a short request through each policy
         _run(engine, [[1] * 64], replay_params(_params(SamplingParams, pol, opts, 4), text, f"warm-{pol}", 1),
              f"warm-{pol}")
+    flush_telemetry(engine, SamplingParams)
     runtime_last: dict[str, Any] | None = None
     for pol in policies:
         s0, t_start = stats_path.stat().st_size, tele_path.stat().st_size
         res = _run(engine, prompts, replay_params(_params(SamplingParams, pol, opts, new_tokens), text, pol,
                                                   len(prompts)), f"{pol}")
-        steps = _sched_steps(stats_path, s0)
+        steps = _sched_steps(stats_path, s0)  # read before the flush: its steps are not the row's
+        flush_telemetry(engine, SamplingParams)
         busy = [x for x in steps if x[0] + x[1] > 0]  # while any request was unfinished
         running = [x[0] for x in busy]
         lines = list(read_jsonl(tele_path, start=t_start))
@@ -88,7 +98,7 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
                "running_max": max(running, default=0),
                "running_mean": round(sum(running) / len(running), 2) if running else 0.0,
                "steps": len(busy), "preemptions": (busy[-1][3] - steps[0][3]) if busy else 0, **res,
-               "replay": text.source if text is not None else None, **row_telemetry(tele)}
+               "replay": text.source if text is not None else None, **row_telemetry(lines)}
         if tele:
             row["kv_entries_peak_max"] = max(t.get("kv_entries_peak", 0) for t in tele)
             row["recomputed"] = sum(t.get("recomputed", 0) for t in tele)

@@ -135,6 +135,7 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     for pol in policies:
         _decode(engine, [[1] * 64], replay_params(_params(SamplingParams, pol, opts, 4), text, f"warm-{pol}", 1),
                 f"warm-{pol}")
+    flush_telemetry(engine, SamplingParams)
     for ctx, bsz in zip(contexts, batches, strict=True):
         prompts = [torch.randint(100, vocab - 100, (ctx,), generator=gen).tolist() for _ in range(bsz)]
         for pol in policies:
@@ -142,6 +143,7 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
             tag = f"{pol}-{ctx}-{bsz}"
             res = _decode(engine, prompts, replay_params(_params(SamplingParams, pol, opts, new_tokens + 1), text,
                                                          tag, bsz), tag)
+            flush_telemetry(engine, SamplingParams)
             tele = list(read_jsonl(tele_path, start=start))
             row = {"policy": pol, "context": ctx, "batch": bsz, "new_tokens": new_tokens, **res,
                    "engine": "vllm" + ("" if plugin else " (stock, no plugin)"),
@@ -167,6 +169,14 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
             "replay": text.describe() if text is not None else None,
             "method": "decode tok/s = tokens generated after every request has its first token / time from "
                       "then to the last token; prefix caching off; max_num_batched_tokens 65536"}
+
+
+def flush_telemetry(engine, cls) -> None:
+    """One tiny dense request: the plugin writes a finished request's telemetry at the step after
+    it ended, so this makes the last row's lines land before the next row starts."""
+    engine.add_request("flush", {"prompt_token_ids": [1] * 8}, cls(max_tokens=1, detokenize=False))
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def row_telemetry(tele: list[dict[str, Any]]) -> dict[str, Any]:
