@@ -236,17 +236,29 @@ NONDETERMINISM = (
     "grouping, concurrency through an endpoint), the dtype rounds differently (bfloat16 or float16 against "
     "float32), and each engine and kernel (the native engine or vLLM, CPU or CUDA, attention kernels and "
     "their versions) adds up in its own order; once one token differs, the rest of the reply follows "
-    "another path. Compare policies within one run, on one engine, dtype and batch setting."
+    "another path. Compare policies within one run, on one engine, dtype and batch setting; this run's are "
+    "on the model line above (results.json: `meta.backend`)."
 )
+
+
+def _backend_text(be: dict[str, Any]) -> str:
+    """Where the replies came from, with the settings that decide whether two greedy runs agree."""
+    if be.get("endpoint"):
+        return (f"{be['endpoint']} ({be.get('api', 'chat')} API, concurrency {be.get('concurrency', '?')}; "
+                "the server's engine, dtype and batching are not known here)")
+    return (f"local native engine ({be.get('device', '?')}, {be.get('dtype', '?')}, "
+            f"max batch {be.get('max_batch', '?')})")
 
 
 def _sandbox_line(sbx: dict[str, Any] | None) -> list[str]:
     if not sbx:
         return []
     bw = f" ({sbx['bwrap_version']})" if sbx.get("mode") == "bwrap" and sbx.get("bwrap_version") else ""
+    stack = f", {sbx['stack_mb']} MiB stack" if sbx.get("stack_mb") else ""
+    wrap = " and stdin wrapping" if sbx.get("lcb_stdin_wrap") else ""
     return [f"- code sandbox: {sbx['mode']}{bw}; per test {sbx['timeout_s']} s wall / {sbx['cpu_s']} s CPU, "
-            f"{sbx['memory_mb']} MiB memory, {sbx['max_output_mb']} MiB output, {sbx['max_processes']} processes, "
-            f"network {sbx['network']}; LiveCodeBench's import prelude"
+            f"{sbx['memory_mb']} MiB memory, {sbx['max_output_mb']} MiB output, {sbx['max_processes']} processes"
+            f"{stack}, network {sbx['network']}; LiveCodeBench's import prelude{wrap}"
             + ("" if sbx.get("mode") == "bwrap" else "; UNSAFE: the programs could read this machine's files")]
 
 
@@ -302,8 +314,7 @@ def _sampling_section(results: dict[str, Any]) -> list[str]:
 def render_markdown(results: dict[str, Any], plots: list[Path]) -> str:
     meta, pols, runs = results["meta"], results["policies"], results["runs"]
     gen, be = meta.get("generation", {}), meta.get("backend", {})
-    where = be.get("endpoint") or f"local native engine ({be.get('device', '?')}, {be.get('dtype', '?')})"
-    lines = ["# cotserve eval report", "", f"- model: `{gen.get('model')}` via {where}",
+    lines = ["# cotserve eval report", "", f"- model: `{gen.get('model')}` via {_backend_text(be)}",
              *_sampling_lines(meta, gen), *_sandbox_line(meta.get("sandbox")),
              f"- finished {meta.get('finished_at')}"]
     if meta.get("command"):

@@ -28,7 +28,7 @@ another descriptor. Expected outputs never leave the parent.
 In every mode: a fresh temporary directory is the child's cwd, HOME and TMPDIR, deleted
 afterwards; `resource.setrlimit` before any model code: CPU seconds, address space (memory), file
 size (also caps stdout, which goes to a file; 64 MiB by default, read back whole), process count
-(`RLIMIT_NPROC`), no core dumps; a wall-clock limit enforced by the parent; and a Python audit
+(`RLIMIT_NPROC`), stack (8 MiB), no core dumps; a wall-clock limit enforced by the parent; and a Python audit
 hook (PEP 578) that refuses sockets, writes, directory handles and chdir outside the work dir,
 starting processes and ctypes. The hook is a guard against ordinary code, not a boundary: the
 namespaces are.
@@ -36,9 +36,17 @@ namespaces are.
 The program runs as LiveCodeBench's runner runs it: `LCB_PRELUDE` (its import string: `from math
 import *`, `from collections import *`, ..., `sys.setrecursionlimit(50000)`) is executed first in
 the program's own namespace, in stdin and functional mode alike, so `inf` or `gcd` work
-unimported. When the program ends, the harness waits for the threads it started and did not join
-(non-daemon ones, as the interpreter's own exit does) and runs its `atexit` functions before the
-output is flushed.
+unimported. A stdin program is wrapped as LiveCodeBench wraps it (`lcb_stdin_code` in the
+harness): a last `if __name__ == '__main__':` block is inlined, the top-level imports stay at
+module level, first, and every other top-level statement becomes the body of `wrapped_function`,
+which the harness calls. So a top-level `return` ends the program, top-level names are that
+function's locals (a nested `global x` or `globals()` does not find them), and `__name__` is never
+`'__main__'`. `SystemExit` ends a stdin program with its output graded, whatever its status. The
+main thread's stack limit is `Limits.stack_mb` (8 MiB, RLIMIT_STACK): LiveCodeBench leaves the
+limit alone, so its programs get Linux's default, and setting it keeps a verdict independent of the
+evaluator's own `ulimit -s`. When the program ends, the harness waits for the threads it started
+and did not join (non-daemon ones, as the interpreter's own exit does) and runs its `atexit`
+functions before the output is flushed.
 
 Each run is labelled by the limit that stopped it: `timeout` (wall clock), `cpu_limit`, `memory`,
 `output_limit`, `process_limit`, `refused` (an audit-hook rule), else `runtime_error` / `ok`.
@@ -76,6 +84,7 @@ class Limits:
     memory_mb: int = 1024
     max_output_mb: int = 64  # RLIMIT_FSIZE: stdout and stderr each, read back whole
     max_processes: int = 64  # RLIMIT_NPROC (per user: counts the sandbox user's processes)
+    stack_mb: int = 8  # RLIMIT_STACK of the main thread: Linux's default, what LiveCodeBench's programs get
     network_namespace: bool = True  # `unsafe-unshare` / `unsafe-none`: use `unshare -n` when available
     isolation: str = "auto"  # auto (= bwrap, else refuse) | bwrap | unsafe-unshare | unsafe-none
     audit_hook: bool = True  # off only to test the namespace layer on its own
@@ -124,7 +133,10 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 nproc = int(job["max_processes"])
 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-import atexit, threading, fractions, decimal, array  # before the guard (reading is allowed anyway)
+stack = job["stack_mb"] * 1024 * 1024
+_hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+resource.setrlimit(resource.RLIMIT_STACK, (stack if _hard == resource.RLIM_INFINITY else min(stack, _hard), _hard))
+import ast, atexit, threading, fractions, decimal, array  # before the guard (reading is allowed anyway)
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1,
@@ -211,20 +223,35 @@ def finish():
         limit_hit(e)
     return ok
 
+def lcb_stdin_code(src, filename):
+    """LiveCodeBench's wrapping of a stdin program: a last `if __name__ == '__main__':` block is
+    inlined, the top-level imports stay at module level (in their order, before the rest), and every
+    other top-level statement becomes the body of `wrapped_function`, which the harness calls."""
+    tree = ast.parse(src, filename)
+    body = tree.body
+    if body and isinstance(body[-1], ast.If) and ast.unparse(body[-1].test) == "__name__ == '__main__'":
+        body = body[:-1] + body[-1].body
+    imports = [s for s in body if isinstance(s, (ast.Import, ast.ImportFrom))]
+    fn = ast.parse("def wrapped_function():\n    pass\n").body[0]
+    fn.body = [s for s in body if not isinstance(s, (ast.Import, ast.ImportFrom))] or fn.body
+    tree.body = imports + [fn]
+    return compile(ast.fix_missing_locations(tree), filename, "exec")
+
 mode = job["mode"]
 with open(job["program"], encoding="utf-8") as _f:
     src = _f.read()
-g = {"__name__": "__main__" if mode == "stdin" else "solution", "__builtins__": __builtins__}
+g = {"__name__": "solution", "__builtins__": __builtins__}  # never __main__, as in LiveCodeBench
 exec(compile(job["prelude"], "<prelude>", "exec"), g)
-code = compile(src, job["program"], "exec")
+code = lcb_stdin_code(src, job["program"]) if mode == "stdin" else compile(src, job["program"], "exec")
 if job["audit_hook"]:
     sys.addaudithook(guard)
 status = 0
 if mode == "stdin":
     try:
         exec(code, g)
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        g["wrapped_function"]()
+    except SystemExit:
+        pass  # as in LiveCodeBench, whatever its status: the output written so far is graded
     except BaseException as e:
         traceback.print_exc()
         limit_hit(e)
@@ -441,8 +468,9 @@ def describe(limits: Limits, mode: str) -> dict[str, Any]:
     return {"mode": mode, "requested": limits.isolation, "timeout_s": limits.timeout_s,
             "cpu_s": int(limits.timeout_s) + 1, "memory_mb": limits.memory_mb,
             "max_output_mb": limits.max_output_mb, "max_processes": limits.max_processes,
+            "stack_mb": limits.stack_mb,
             "network": "none" if mode == "bwrap" or (limits.network_namespace and _netns_for(mode)) else "host",
-            "bwrap_version": bwrap_version(), "lcb_prelude": True}
+            "bwrap_version": bwrap_version(), "lcb_prelude": True, "lcb_stdin_wrap": True}
 
 
 def _netns_for(mode: str) -> bool:
@@ -465,7 +493,7 @@ def run_program(source: str, stdin: str = "", mode: str = "stdin", func_name: st
         job = {"root": root, "program": prog, "mode": mode, "func_name": func_name, "args": args or [],
                "cpu_s": int(limits.timeout_s) + 1, "memory_mb": limits.memory_mb,
                "max_output_mb": limits.max_output_mb, "max_processes": limits.max_processes,
-               "audit_hook": limits.audit_hook, "prelude": LCB_PRELUDE}
+               "stack_mb": limits.stack_mb, "audit_hook": limits.audit_hook, "prelude": LCB_PRELUDE}
         paths = {n: os.path.join(ctl, n) for n in ("job", "stdin", "stdout", "stderr", "result")}
         with open(paths["job"], "w", encoding="utf-8") as f:
             json.dump(job, f)

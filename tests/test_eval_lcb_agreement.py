@@ -5,7 +5,10 @@ a correct solution written for this test and a wrong variant of it. Every progra
 `grade_code` (the sandbox, every public test) and re-executed independently here: a plain
 `python -c` subprocess with no sandbox and no harness, stdout compared as whitespace-separated
 tokens (stdin problems) or the JSON value printed by a driver written here (functional ones).
-The two verdicts must agree, and the correct solutions must pass."""
+The two verdicts must agree, and the correct solutions must pass.
+
+Then stdin programs whose verdict depends on how LiveCodeBench's runner wraps them: each must get
+the verdict that runner gave it (recorded in `WRAPPING`)."""
 
 from __future__ import annotations
 
@@ -204,3 +207,38 @@ def test_sandbox_verdicts_agree_with_independent_re_execution(items):
     assert not disagree, disagree
     assert all(r[2] for r in rows if r[1] == "correct"), [r for r in rows if r[1] == "correct" and not r[2]]
     assert sum(not r[2] for r in rows if r[1] == "wrong") >= 12  # the bugs are caught by the public tests
+
+
+# -- stdin programs whose verdict depends on LiveCodeBench's wrapping ------------------------------
+
+# LiveCodeBench's runner inlines a last `if __name__ == '__main__':` block, keeps the top-level imports
+# at module level and wraps every other top-level statement in a function that it calls, ignoring
+# SystemExit. Each program's verdict under that runner (`run_test` of lcb_runner/evaluation/
+# testing_util.py, LiveCodeBench commit 28fef95, Python 3.11) is recorded here; the sandbox must give
+# the same. All but the last two got the other verdict when programs ran as a plain module.
+WRAPPING = [
+    ("top-level return", "n = int(input())\nif n == 0:\n    print('zero')\n    return\nprint(n)\n", "0\n", "zero\n",
+     True),
+    ("sys.exit(1) after the answer", "import sys\nprint(5)\nsys.exit(1)\n", "", "5\n", True),
+    ("exit with a message", "print(5)\nexit('done')\nprint(6)\n", "", "5\n", True),
+    ("import below its first use", "print(Fraction(1, 2))\nfrom fractions import Fraction\n", "", "1/2\n", True),
+    ("global of a top-level name", "cnt = 0\ndef inc():\n    global cnt\n    cnt += 1\ninc()\nprint(cnt)\n", "",
+     "1\n", False),
+    ("globals() of a top-level name", "x = 5\nprint(globals().get('x'))\n", "", "5\n", False),
+    ("__main__ guard not last", "def main():\n    print(7)\nif __name__ == '__main__':\n    main()\nx = 1\n", "",
+     "7\n", False),
+    ("__main__ guard reversed", "def main():\n    print(7)\nif '__main__' == __name__:\n    main()\n", "", "7\n",
+     False),
+    ("star import inside try", "try:\n    from math import *\nexcept ImportError:\n    pass\nprint(1)\n", "", "1\n",
+     False),
+    ("last __main__ guard", 'def main():\n    print(int(input()) * 2)\nif __name__ == "__main__":\n    main()\n',
+     "4\n", "8\n", True),
+    ("top-level names in a class body", "K = 3\nclass A:\n    v = K * 2\nprint(A.v)\n", "", "6\n", True),
+]
+
+
+@pytest.mark.parametrize("name,code,stdin,expected,lcb_passes", WRAPPING, ids=[w[0] for w in WRAPPING])
+def test_wrapped_stdin_programs_get_livecodebench_verdicts(name, code, stdin, expected, lcb_passes):
+    meta = {"tests": [{"input": stdin, "output": expected, "testtype": "stdin"}]}
+    g = grade_code(f"```python\n{code}```", meta, Limits(timeout_s=6.0, isolation=TRUSTED))
+    assert g.correct == lcb_passes, g.detail

@@ -128,6 +128,23 @@ def test_report_shows_pass_at_k_and_majority_with_intervals():
     assert "Temperature 0 with 4 samples" in render_markdown(results, [])
 
 
+def test_report_names_the_engine_dtype_and_batching_that_greedy_replies_depend_on():
+    run = aggregate(_records(2, 1), n_items=2, samples=1, kind="math")
+    results = {"meta": {"samples": 1, "generation": {"model": "m", "temperature": 0, "top_p": 1.0, "max_tokens": 8},
+                        "backend": {"mode": "local", "model": "m", "device": "cpu", "dtype": "bfloat16",
+                                    "max_batch": 8}},
+               "suites": ["aime24"], "policies": ["dense"],
+               "runs": [{"suite": "aime24", "policy": "dense", "spec": "dense", "options": {}, **run}]}
+    text = render_markdown(results, [])
+    assert "- model: `m` via local native engine (cpu, bfloat16, max batch 8)" in text
+    assert "Two runs of the same greedy request" in text and "`meta.backend`" in text
+    results["meta"]["backend"] = {"mode": "endpoint", "endpoint": "http://127.0.0.1:8000/v1", "model": "m",
+                                  "concurrency": 4, "api": "chat"}
+    text = render_markdown(results, [])
+    assert ("via http://127.0.0.1:8000/v1 (chat API, concurrency 4; the server's engine, dtype and batching are "
+            "not known here)") in text
+
+
 # -- presets -----------------------------------------------------------------------------------------
 
 def test_r1_preset_reads_the_models_generation_config(tmp_path):

@@ -5,7 +5,10 @@ by the time limit), try to write outside their temp dir, open a socket or start 
 from __future__ import annotations
 
 import json
+import resource
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -297,6 +300,48 @@ def test_prelude_matches_livecodebench_import_string():
     assert r.status == "ok" and r.stdout.strip() == "50000", r.stderr
 
 
+# C-level recursion (through lru_cache's wrapper) uses the main thread's stack: about 2,000 levels
+# fit in 1 MiB, about 17,000 in 8 MiB, 100,000 need some 50 MiB.
+LRU_DEPTH = ("import sys\nfrom functools import lru_cache\nsys.setrecursionlimit({limit})\n@lru_cache(None)\n"
+             "def f(n):\n    return 0 if n == 0 else 1 + f(n - 1)\nprint(f({depth}))\n")
+_, STACK_HARD = resource.getrlimit(resource.RLIMIT_STACK)
+
+
+def _run_under_stack(soft: int, source: str) -> dict:
+    """`run_program(source)` called by an evaluator whose own soft stack limit is `soft`."""
+    script = ("import json, sys\nfrom cotserve.eval.sandbox import Limits, run_program\n"
+              f"r = run_program(sys.stdin.read(), limits=Limits(timeout_s=6.0, isolation={TRUSTED!r}))\n"
+              "print(json.dumps({'status': r.status, 'stdout': r.stdout}))\n")
+    r = subprocess.run([sys.executable, "-c", script], input=source, capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_STACK, (soft, STACK_HARD)))
+    assert r.returncode == 0, r.stderr[-500:]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.skipif(STACK_HARD != resource.RLIM_INFINITY, reason="the hard stack limit is not unlimited here")
+@pytest.mark.parametrize("inherited", [1 << 20, resource.RLIM_INFINITY], ids=["1MiB", "unlimited"])
+def test_programs_get_an_8_mib_stack_whatever_the_evaluator_has(inherited):
+    """LiveCodeBench leaves the stack limit alone, so its programs get Linux's default 8 MiB; here the
+    harness sets 8 MiB (`Limits.stack_mb`), so a verdict does not depend on the shell's `ulimit -s`."""
+    fits = _run_under_stack(inherited, LRU_DEPTH.format(limit=50000, depth=8000))
+    assert fits == {"status": "ok", "stdout": "8000\n"}, fits  # 1 MiB inherited: a crash without the limit
+    too_deep = _run_under_stack(inherited, LRU_DEPTH.format(limit=10**6, depth=100_000))
+    assert too_deep["status"] == "runtime_error" and not too_deep["stdout"]  # unlimited: it would pass
+    seen = _run_under_stack(inherited, "import resource\nprint(resource.getrlimit(resource.RLIMIT_STACK)[0])\n")
+    assert seen["stdout"].strip() == str(8 << 20)
+
+
+def test_deep_recursion_within_livecodebench_limit_passes():
+    """The prelude's recursion limit (50000) holds in a stdin program, wrapped in a function as in
+    LiveCodeBench: 45,000 Python frames without any setrecursionlimit of the program's own."""
+    code = "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\nprint(depth(int(input())))\n"
+    meta = {"tests": [{"input": "45000\n", "output": "45000\n", "testtype": "stdin"}]}
+    assert grade_code(fenced(code), meta, FAST).correct
+    meta = {"tests": [{"input": "60000\n", "output": "60000\n", "testtype": "stdin"}]}
+    g = grade_code(fenced(code), meta, FAST)
+    assert not g.correct and "RecursionError" in g.detail, g.detail
+
+
 def test_stdout_larger_than_a_mebibyte_is_kept_whole():
     n = 400_000  # 3.6 MB of output
     code = f"import sys\nsys.stdout.write(''.join('%08d\\n' % i for i in range({n})))\n"
@@ -510,6 +555,7 @@ def test_runner_records_bubblewrap_and_its_version(tmp_path):
     correct, sandbox = json.loads(r.stdout.strip().splitlines()[-1])
     version = subprocess.run([shutil.which("bwrap"), "--version"], capture_output=True, text=True).stdout.strip()
     assert correct == 1 and sandbox["mode"] == "bwrap" and sandbox["bwrap_version"] == version
-    assert sandbox["network"] == "none"
+    assert sandbox["network"] == "none" and sandbox["stack_mb"] == 8 and sandbox["lcb_stdin_wrap"] is True
     report = (out / "report.md").read_text()
     assert f"code sandbox: bwrap ({version})" in report and "UNSAFE" not in report
+    assert "64 processes, 8 MiB stack, network none; LiveCodeBench's import prelude and stdin wrapping" in report

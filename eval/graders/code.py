@@ -15,7 +15,9 @@ fence before the cut runs as usual.
 
 Programs run as LiveCodeBench's runner runs them: its import prelude (`from math import *`,
 `from collections import *`, ... `sys.setrecursionlimit(50000)`) comes first, in stdin and
-functional mode alike (`cotserve.eval.sandbox.LCB_PRELUDE`)."""
+functional mode alike (`cotserve.eval.sandbox.LCB_PRELUDE`); a stdin program's top-level code is
+wrapped in a function as LiveCodeBench wraps it (a top-level `return` works, `sys.exit` of any status
+keeps the output); the stack is 8 MiB, as LiveCodeBench's programs get on a stock Linux host."""
 
 from __future__ import annotations
 
