@@ -130,7 +130,7 @@ def test_vllm_worker_replays_the_text_and_sfi_refreshes_at_its_boundaries(tmp_pa
 
     tele = tmp_path / "telemetry.jsonl"
     monkeypatch.setenv("COTSERVE_VLLM_TELEMETRY", str(tele))  # read by vLLM's engine process at start
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "0")  # restored (unset) after the test: the engine below sets it to 1
     eng = VLLMEngine("smollm2-135m-instruct", dtype="float32",
                      options=VLLMOptions(max_num_seqs=4, max_model_len=1024, enforce_eager=True, bench_replay=True,
                                          extra={"kv_cache_memory_bytes": 256 << 20}))
@@ -203,8 +203,8 @@ def test_vllm_decode_bench_replays_on_random_weights(tmp_path, monkeypatch):
     from cotserve.bench.vllm_decode import run_vllm_decode_bench
     from cotserve.vllm.replay import ENV
 
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.delenv("COTSERVE_VLLM_TELEMETRY", raising=False)
+    monkeypatch.setenv(ENV, "0")  # restored (unset) after the test: the bench sets it to 1
+    monkeypatch.setenv("COTSERVE_VLLM_TELEMETRY", str(tmp_path / "unused.jsonl"))  # restored: the bench sets its own
     src = tmp_path / "steps.txt"
     src.write_text("We add them. The sum is even. So we halve it. " * 40)  # a sentence every ~5 tokens
     rep = run_vllm_decode_bench(["dense", "sfi"], [48], [2], 24, "random:smollm2-135m",
@@ -214,4 +214,3 @@ def test_vllm_decode_bench_replays_on_random_weights(tmp_path, monkeypatch):
     assert rep["replay"]["source"] == "steps.txt" and dense["replay"] == sfi["replay"] == "steps.txt"
     assert dense["sfi_slow_step_ratio"] is None and sfi["sfi_retained_ratio"] < 1
     assert sfi["sfi_slow_step_ratio"] >= 0.15, sfi  # without a text, random weights never end a sentence
-    monkeypatch.delenv(ENV, raising=False)

@@ -26,7 +26,7 @@ from cotserve.errors import CotserveError
 from cotserve.vllm.eviction_ledger import EvictionLedger
 from cotserve.vllm.requests import request_policy_of
 from cotserve.vllm.telemetry import write_telemetry
-from cotserve.vllm.thought_telemetry import thought_telemetry
+from cotserve.vllm.thought_telemetry import sfi_step_telemetry, thought_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,9 @@ class EvictingScheduler(Scheduler):
                 pol, request = self._policies.pop(o.request_id)  # vLLM has freed the request; we hold it
                 tele = self._finish(o.request_id) if o.request_id in self._ledgers else {}
                 tele.update(self._thoughts(request, pol))
+                if pol.sfi is not None:
+                    tele.update(sfi_step_telemetry(self._tokenizer, pol.sfi, list(request.prompt_token_ids or []),
+                                                   list(request.output_token_ids)))
                 o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": tele}
         return outs
 
@@ -132,7 +135,7 @@ class EvictingScheduler(Scheduler):
                 pol = request_policy_of(request.sampling_params.extra_args if request.sampling_params else None)
             except CotserveError:  # refused when it arrived; never reached in practice
                 pol = None
-            tracked = pol is not None and (pol.evict is not None or pol.steer is not None)
+            tracked = pol is not None and (pol.evict is not None or pol.steer is not None or pol.sfi is not None)
             self._policies[req_id] = (pol, request) if tracked else None
         got = self._policies[req_id]
         return got[0].evict if got is not None and self._evicting else None

@@ -1,4 +1,5 @@
-"""Thought counts of a finished request from its tokens, for the telemetry vLLM returns.
+"""Thought counts and SFI's slow steps of a finished request from its tokens, for the telemetry
+vLLM returns.
 
 The scheduler holds every request's tokens; the counts come from the native policies' own thought
 follower (`policies.thoughts`, `policies.steering.SlotThoughts`) run over them, which makes the same
@@ -41,3 +42,19 @@ def thought_telemetry(tokenizer, prompt_ids: list[int], output_ids: list[int], e
         out.update(steering_applications=n, steering_alpha_mean=round(alpha_sum / n, 6) if n else 0.0,
                    steering_non_execution=th.tracker.non_execution)
     return out
+
+
+def sfi_step_telemetry(tokenizer, cfg, prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any]:
+    """SFI's decode and slow steps of a finished request, from its tokens: decode step t feeds
+    output token t (every one but the last sampled one) and is slow when the refresh trigger
+    (`policies.sfi.trigger`, the runtime's own) fires on the token before it. The retained ratio
+    depends on what each refresh selected, so only the runtime's telemetry file holds it."""
+    from cotserve.policies.boundaries import sentence_end_ids
+    from cotserve.policies.sfi.trigger import RefreshTrigger
+
+    ends = sentence_end_ids(tokenizer) if tokenizer is not None else frozenset()
+    trigger = RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period)
+    seq = list(prompt_ids) + list(output_ids)
+    n = max(len(output_ids) - 1, 0)
+    slow = sum(trigger.step(t, seq[len(prompt_ids) + t - 1] in ends) for t in range(n))
+    return {"sfi_steps": n, "sfi_slow_steps": slow, "sfi_slow_step_ratio": round(slow / n, 4) if n else 0.0}
