@@ -336,15 +336,16 @@ def test_vllm_sampling_params_carry_the_fields():
 
     s = SamplingParams(max_tokens=10, temperature=0.7, min_p=0.1, min_tokens=3, presence_penalty=0.5,
                        frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias={"5": -100.0, "9": 2.5},
-                       stop_token_ids=[7, 8])
+                       stop_token_ids=[7, 8], thinking_token_budget=5)
     vp = sampling_params(GenRequest([1, 2, 3], s), None, 100)
+    assert vp.thinking_token_budget == 5
     assert (vp.min_p, vp.min_tokens, vp.presence_penalty, vp.frequency_penalty, vp.repetition_penalty) == (
         0.1, 3, 0.5, -0.25, 1.2)
     assert vp.logit_bias == {5: -100.0, 9: 2.5}
     assert list(vp.stop_token_ids) == [7, 8]
     plain = sampling_params(GenRequest([1, 2, 3], SamplingParams(max_tokens=10)), None, 100)
     assert (plain.min_p, plain.min_tokens, plain.presence_penalty, plain.frequency_penalty,
-            plain.repetition_penalty, plain.logit_bias) == (0.0, 0, 0.0, 0.0, 1.0, None)
+            plain.repetition_penalty, plain.logit_bias, plain.thinking_token_budget) == (0.0, 0, 0.0, 0.0, 1.0, None, None)
 
 
 def test_the_continuous_engine_honours_them_too(engine, prompt):

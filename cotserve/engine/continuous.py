@@ -219,7 +219,8 @@ class ContinuousEngine:
         n = len(req.prompt_ids)
         max_new = min(req.sampling.max_tokens, eng.info.max_positions - n)
         slot = _Slot(req, n, max_new, req.sampling.make_generator(self.device),
-                     IncrementalDetokenizer(eng.tokenizer), StopStringMatcher(list(req.sampling.stop)))
+                     IncrementalDetokenizer(eng.tokenizer), StopStringMatcher(list(req.sampling.stop)),
+                     think=eng.thinking(req))
         self.waiting.append(_Seq(slot, stack))
 
     def cancel(self, request_id: str) -> None:

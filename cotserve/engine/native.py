@@ -21,11 +21,13 @@ from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.engine.decoder import LeanDecoder, route_attention
 from cotserve.engine.sampling import SamplingParams, process_logits, sample_next, token_logprobs
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher, encode_chat
+from cotserve.engine.thinking import ThinkingBudget
 from cotserve.errors import RequestError
 from cotserve.grouping import length_groups
 from cotserve.models import LoadedModel
 from cotserve.policies.base import PolicyStack
 from cotserve.policies.registry import build_policy
+from cotserve.policies.steering import think_ids
 
 ATTN_IMPL = "cotserve"
 
@@ -112,6 +114,7 @@ class NativeEngine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.think_ids = think_ids(self.tokenizer)  # single-token <think>, </think> (None where absent)
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.max_batch = max_batch
@@ -211,6 +214,16 @@ class NativeEngine:
                 f"prompt has {n} tokens; this model's context is {self.info.max_positions}",
                 field="messages", code="context_length_exceeded",
             )
+        if req.sampling.thinking_token_budget is not None and None in self.think_ids:
+            raise RequestError("thinking_token_budget needs a model with <think> and </think> tokens; this one "
+                               "has none", field="thinking_token_budget")
+
+    def thinking(self, req: GenRequest) -> ThinkingBudget | None:
+        """The request's thinking budget state (None when it set none)."""
+        budget = req.sampling.thinking_token_budget
+        if budget is None or None in self.think_ids:
+            return None
+        return ThinkingBudget.start(budget, self.think_ids[0], self.think_ids[1], req.prompt_ids)
 
     def generate(self, requests: list[GenRequest], policy: str | PolicyStack | None = None,
                  options: dict[str, Any] | None = None) -> list[Completion]:
@@ -269,7 +282,7 @@ class NativeEngine:
         logits = self.logits(last, batch)
 
         slots = [_Slot(r, n, m, r.sampling.make_generator(self.device), IncrementalDetokenizer(self.tokenizer),
-                       StopStringMatcher(list(r.sampling.stop)))
+                       StopStringMatcher(list(r.sampling.stop)), think=self.thinking(r))
                  for r, n, m in zip(requests, prompt_lens, max_new, strict=True)]
         run = _RunStats(policy=stack.name, prefill_s=time.perf_counter() - t_start,
                         padding_fraction=1.0 - sum(prompt_lens) / float(bsz * tmax),
@@ -339,6 +352,9 @@ class NativeEngine:
                 if r.sampling.temperature <= 0:
                     greedy = int(torch.argmax(picked))
             tok = greedy if r.sampling.temperature <= 0 else sample_next(picked, r.sampling, s.generator)
+        if s.think is not None:
+            tok = s.think.forced() if s.think.forced() is not None else tok
+            s.think.push(tok)
         s.out_ids.append(tok)
         sp = r.sampling
         if sp.logprobs is not None:
@@ -426,6 +442,7 @@ class _Slot:
     logprob_rows: list[torch.Tensor] = field(default_factory=list)
     finish: str | None = None
     last_lp: tuple[float, list[tuple[int, float]]] | None = None  # the latest token's logprobs (if asked)
+    think: ThinkingBudget | None = None  # the request's thinking budget, when it set one
 
 
 @dataclass

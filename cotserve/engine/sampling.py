@@ -41,6 +41,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: minus this per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # vLLM/HF: logits of prompt and generated tokens divided (>0) or multiplied (<0)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+    thinking_token_budget: int | None = None  # tokens inside <think> before </think> is forced (engine/thinking.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +66,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and -2 <= value <= 2):
                 raise RequestError(f"{name} must be in [-2, 2]", field=name)
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise RequestError("thinking_token_budget must be >= 0", field="thinking_token_budget")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise RequestError("repetition_penalty must be a finite number > 0", field="repetition_penalty")
         # JSON object keys are strings: a job's sampling settings carry {"123": -100}

@@ -184,7 +184,7 @@ class JobFactory:
         return out
 
     def decoding_of(self, body, max_tokens: int) -> dict[str, Any]:
-        """The request's penalties, min_p, min_tokens, stop_token_ids and logit_bias, as job sampling
+        """The request's penalties, min_p, min_tokens, thinking_token_budget, stop_token_ids and logit_bias, as job sampling
         settings (SamplingParams fields); only those that differ from the defaults, so a job
         without them is the same as before they existed."""
         vocab = len(self.prompts.tokenizer)
@@ -199,6 +199,13 @@ class JobFactory:
                 raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
                                param="min_tokens", code="invalid_value")
             out["min_tokens"] = body.min_tokens
+        if body.thinking_token_budget is not None:
+            from cotserve.policies.steering import think_ids
+
+            if None in think_ids(self.prompts.tokenizer):
+                raise APIError(400, "thinking_token_budget needs a model with <think> and </think> tokens; this "
+                               "model has none", param="thinking_token_budget", code="invalid_value")
+            out["thinking_token_budget"] = body.thinking_token_budget
         if body.stop_token_ids:
             bad = [t for t in body.stop_token_ids if not 0 <= t < vocab]
             if bad:

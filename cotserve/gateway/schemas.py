@@ -108,6 +108,9 @@ class SamplingFields(BaseModel):
                                          "stop_token_ids before this many tokens.")
     stop_token_ids: list[StrictInt] | None = Field(None, description="Extension (as in vLLM): token ids that end "
                                                    "the completion.")
+    thinking_token_budget: StrictInt | None = Field(None, ge=0, description="Extension (as in vLLM): at most this "
+                                                    "many tokens inside <think>, then </think> is forced and the "
+                                                    "answer follows; for models with <think> tokens (else 400).")
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
                                                 "added to its logit.")
     response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}; JSON modes are "
@@ -122,7 +125,8 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = Field(None, description="Refused (400), as guided_json.")
     guided_grammar: str | None = Field(None, description="Refused (400), as guided_json.")
 
-    _sampling_integers = field_validator("min_tokens", "stop_token_ids", "best_of", "priority", mode="before")(_integral)
+    _sampling_integers = field_validator("min_tokens", "stop_token_ids", "best_of", "priority",
+                                         "thinking_token_budget", mode="before")(_integral)
 
 
 class CotserveOptions(BaseModel):

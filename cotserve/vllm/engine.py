@@ -136,7 +136,10 @@ class VLLMEngine:
                   "bf16w": "bfloat16"}.get(dtype)
         if vdtype is None:
             raise ModelError(f"--dtype {dtype} is not available on the vllm engine")
-        self.vllm_config = self._config(str(path), vdtype, dev, opts)
+        from cotserve.policies.steering import think_ids
+
+        self.think_ids = think_ids(self.tokenizer)
+        self.vllm_config = self._config(str(path), vdtype, dev, opts, thinks=None not in self.think_ids)
         sc = self.vllm_config.scheduler_config
         # the worker's slots: vLLM's sequence limit (--max-num-seqs, else vLLM's default for the device)
         self.max_batch = int(sc.max_num_seqs)
@@ -165,7 +168,7 @@ class VLLMEngine:
         return "EvictingScheduler" in str(self.vllm_config.scheduler_config.scheduler_cls or "")
 
     @staticmethod
-    def _config(path: str, vdtype: str, dev, opts: VLLMOptions):
+    def _config(path: str, vdtype: str, dev, opts: VLLMOptions, thinks: bool = False):
         """vLLM's engine configuration as `vllm serve` makes it (its defaults for this device), with
         the options given; cotserve's EvictingScheduler where eviction can run (asynchronous
         scheduling and prefix caching off)."""
@@ -183,6 +186,13 @@ class VLLMEngine:
                 kwargs[name] = value
         if dev.type == "cuda":
             kwargs["attention_backend"] = "CUSTOM"  # the cotserve plugin's backend
+        if thinks and "reasoning_config" not in kwargs:  # vLLM's thinking_token_budget needs its think tags
+            try:
+                from vllm.config.reasoning import ReasoningConfig
+
+                kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str="<think>", reasoning_end_str="</think>")
+            except ImportError:  # a vLLM without thinking budgets: requests that ask get its refusal
+                pass
         try:
             cfg = AsyncEngineArgs(**kwargs).create_engine_config(UsageContext.OPENAI_API_SERVER)
         except Exception as exc:  # vLLM's own validation (ValueError, pydantic's ValidationError, ...)
@@ -233,6 +243,9 @@ class VLLMEngine:
         if n >= self.max_positions:
             raise RequestError(f"prompt has {n} tokens; this engine's context is {self.max_positions}",
                                field="messages", code="context_length_exceeded")
+        if s.thinking_token_budget is not None and None in self.think_ids:
+            raise RequestError("thinking_token_budget needs a model with <think> and </think> tokens; this one "
+                               "has none", field="thinking_token_budget")
 
     def check_policy(self, stack: PolicyStack) -> None:
         pol = request_policy_of(policy_extra_args(stack))

@@ -53,4 +53,6 @@ def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions
                           logprobs=s.logprobs, output_kind=RequestOutputKind.DELTA,
                           min_p=s.min_p, min_tokens=min(s.min_tokens, max_tokens),
                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                          repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias) or None)
+                          repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias) or None,
+                          **({} if s.thinking_token_budget is None else
+                             {"thinking_token_budget": s.thinking_token_budget}))
