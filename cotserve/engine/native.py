@@ -114,7 +114,8 @@ class NativeEngine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.think_ids = think_ids(self.tokenizer)  # single-token <think>, </think> (None where absent)
+        # single-token <think>, </think> (None where absent, or where the engine has no tokenizer)
+        self.think_ids = think_ids(self.tokenizer) if self.tokenizer is not None else (None, None)
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.max_batch = max_batch
