@@ -354,7 +354,8 @@ class NativeEngine:
                     greedy = int(torch.argmax(picked))
             tok = greedy if r.sampling.temperature <= 0 else sample_next(picked, r.sampling, s.generator)
         if s.think is not None:
-            tok = s.think.forced() if s.think.forced() is not None else tok
+            forced = s.think.forced()
+            tok = tok if forced is None else forced
             s.think.push(tok)
         s.out_ids.append(tok)
         sp = r.sampling
