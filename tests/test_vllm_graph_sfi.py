@@ -43,8 +43,15 @@ def setup():
     return gen, caches, cfg, g
 
 
-def test_batched_refresh_equals_eager_selection(setup):
+@pytest.mark.parametrize("floats", [None, HQ * 8 * 150 * 2])
+def test_batched_refresh_equals_eager_selection(setup, monkeypatch, floats):
+    """`floats`: a refresh budget that holds two requests' logits, so the three go in two parts."""
     gen, caches, cfg, g = setup
+    if floats is not None:
+        monkeypatch.setattr("cotserve.policies.sfi.paged.REFRESH_FLOATS", floats)
+    parts: list[int] = []
+    refresh = g.refresh
+    g.refresh = lambda states, blocks, bs: (parts.append(len(states)), refresh(states, blocks, bs))
     n = 150
     blocks = torch.stack([torch.randperm(NB, generator=gen)[:12] for _ in range(3)]).to(torch.int32)
     states = []
@@ -68,6 +75,7 @@ def test_batched_refresh_equals_eager_selection(setup):
         eager._select(seq, FlashPaged(), caches, blocks[j])
         states[-1].eager = seq
     g.refresh_all([(st, blocks[j]) for j, st in enumerate(states)], BS)
+    assert parts == ([3] if floats is None else [2, 1])
     for st in states:
         seq = st.eager
         m = int((seq.cpos[0, 0] >= 0).sum())

@@ -17,7 +17,8 @@ next step, with the selector and the re-pack (`GraphSFI.refresh`), in eager torc
 graph; the selection it makes is read from that step on, exactly as in the native engine.
 
 Memory: compact buffers of `slots x layers x KV heads x (sinks + k_max) x head_dim` for K and V
-in the cache dtype, allocated when the engine starts (before the graphs are captured):
+in the cache dtype, allocated while the model loads, so vLLM's KV cache is sized around them
+(`gpu_memory`):
 `COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64) SFI requests run at
 once; more wait for a slot as dense... see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (2048) caps k.
 """
@@ -37,6 +38,7 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 
 from cotserve.kernels.sfi_paged import sfi_paged_fast
+from cotserve.vllm import gpu_memory
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
 from cotserve.vllm.graph_sfi import GraphSFI
 from cotserve.vllm.requests import ROWS as ROWS_
@@ -80,9 +82,24 @@ def _evict_runtime(vllm_config, device):
     return runtime_access.evict_for(vllm_config, device, force=True, slots=slots)
 
 
+def _at_model_load(vllm_config) -> tuple[torch.device, bool] | None:
+    """Both runtimes, made while the model loads (`gpu_memory`), when its attention layers run this
+    backend; returns (device, eviction runtime made?), or None."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = list(get_layers_from_vllm_config(vllm_config, Attention).values())
+    if not layers or not isinstance(layers[0].impl, CotserveFlashImpl):
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    _runtime(vllm_config, device)
+    return device, _evict_runtime(vllm_config, device) is not None
+
+
 class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        gpu_memory.release_scratch()  # vLLM measured the model with it: its memory is the working tensors' now
         self.sfi = _runtime(vllm_config, device)
         self.evict = _evict_runtime(vllm_config, device)
         self.paged_rw = FlashPagedKV(self.block_size, self.head_size_of())
@@ -149,3 +166,6 @@ class CotserveFlashBackend(FlashAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return CotserveFlashMetadataBuilder
+
+
+gpu_memory.on_model_load(_at_model_load)

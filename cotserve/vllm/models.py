@@ -6,7 +6,9 @@ registry (`register_models`), so vLLM's model code is used as it is:
   has an eviction runtime (on CUDA before the graphs are captured, on a CPU from the first evicting
   request on). The copy is a tensor op, so it is part of a captured CUDA graph;
 * when the engine has a steering vector, a hook on its layer steers the tokens `steer_runtime`
-  marks (`steer_runtime.install`).
+  marks (`steer_runtime.install`);
+* on CUDA, cotserve's runtimes are made while the model loads, so vLLM counts their memory
+  (`gpu_memory.at_model_load`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def _wrapped(base: type) -> type:
         from cotserve.vllm.steer_runtime import install
 
         install(self, vllm_config)  # the steering hook, when the engine has a vector
+        if torch.cuda.is_available():
+            from cotserve.vllm.gpu_memory import at_model_load
+
+            at_model_load(vllm_config)  # cotserve's buffers counted as model memory
 
     def forward(self, *args, **kwargs):
         out = base.forward(self, *args, **kwargs)

@@ -65,6 +65,10 @@ def sfi_telemetry(st) -> dict[str, float | int]:
 
 
 W_MAX = 32  # obs_window at most
+# float32 logits a refresh holds at once: requests are refreshed together and layers in chunks
+# under this many (one layer of one request may exceed it); its working set, about twice this in
+# bytes x 4, is what a vLLM engine reserves for it (`cotserve.vllm.gpu_memory`)
+REFRESH_FLOATS = 1 << 28
 
 
 @dataclass
@@ -143,7 +147,13 @@ class PagedSFI:
             own = id(st) if st.refresh_pos is not None else None  # its own entry positions: alone
             groups.setdefault((repr(st.cfg), st.refresh_n, rows, own), []).append((st, blocks))
         for group in groups.values():
-            self.refresh([st for st, _ in group], torch.stack([b for _, b in group]), block_size)
+            st0 = group[0][0]
+            rows = sum(1 for p in st0.ring_pos if max(0, st0.refresh_lo) <= p < (st0.refresh_hi or st0.refresh_n))
+            # requests at once: one layer of the group's float32 logits stays under REFRESH_FLOATS
+            per = max(1, REFRESH_FLOATS // max(1, self.hq * rows * st0.refresh_n))
+            for a in range(0, len(group), per):
+                part = group[a : a + per]
+                self.refresh([st for st, _ in part], torch.stack([b for _, b in part]), block_size)
 
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's keys and values as paged views [blocks, block, H, D] (the engine's layout)."""
@@ -152,7 +162,8 @@ class PagedSFI:
     def _keys(self, layer: int) -> torch.Tensor:
         return self._kv(layer)[0]
 
-    def refresh(self, states: list[SlotState], blocks: torch.Tensor, block_size: int, budget: int = 1 << 28) -> None:
+    def refresh(self, states: list[SlotState], blocks: torch.Tensor, block_size: int,
+                budget: int = REFRESH_FLOATS) -> None:
         """Evidence of the ring's rows over the first `refresh_n` entries, then selector steps 2-5
         and the re-pack, for every layer of J requests with equal options, length and ring rows
         (`blocks` [J, max blocks]); the layers go in chunks that keep the float32 logits under

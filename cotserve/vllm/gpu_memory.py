@@ -1,0 +1,96 @@
+"""cotserve's GPU memory inside vLLM's budget (CUDA).
+
+vLLM sizes its KV cache as `gpu_memory_utilization` x the GPU's memory minus what loading the model
+took (measured around `load_model`), the profile run's peak and the non-torch memory. The
+attention metadata builders are first made later, in the CUDA-graph memory profile, after that
+peak was read: buffers allocated there are counted nowhere, and the KV cache takes their memory.
+
+So the runtimes are made while the model loads (`at_model_load`, called at the end of cotserve's
+model classes' `__init__`, inside `load_model`, runs what the CUDA backend registered with
+`on_model_load`): SFI's compact buffers and rings, the eviction
+runtime's rings and score buffers count as model memory. So does a scratch reservation for the
+working tensors of SFI's refreshes and the eviction's compactions (`scratch_bytes`); it is
+released when the first metadata builder is made, after vLLM measured the model, so that memory
+is there for those tensors while the KV cache stays sized around it.
+
+Everything here is a guest's: when it cannot run it logs one line and the runtimes are made by the
+builders as before (their memory is then outside vLLM's budget: leave headroom).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SCRATCH: torch.Tensor | None = None
+RESERVED: dict[str, int] = {}  # what was reserved at load, in bytes, by purpose
+
+
+def scratch_bytes(dtype: torch.dtype, evict: bool) -> int:
+    """Bytes of working tensors the biggest refresh or compaction holds at once:
+    `$COTSERVE_VLLM_SCRATCH_MIB` when set, else SFI's refresh logits (twice `REFRESH_FLOATS`
+    floats) or, with the eviction runtime, a compaction's gathered K and V (`GROUP_ELEMENTS` in the
+    model dtype) and its similarity scores (twice `SCORE_FLOATS` floats), whichever is larger."""
+    env = os.environ.get("COTSERVE_VLLM_SCRATCH_MIB", "")
+    if env:
+        return max(0, int(env)) << 20
+    from cotserve.policies.sfi.paged import REFRESH_FLOATS
+
+    need = 2 * 4 * REFRESH_FLOATS
+    if evict:
+        from cotserve.vllm.evict_runtime import GROUP_ELEMENTS, SCORE_FLOATS
+
+        elem = torch.empty((), dtype=dtype).element_size()
+        need = max(need, GROUP_ELEMENTS * elem + 2 * 4 * SCORE_FLOATS)
+    return need
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+# what makes the runtimes at model load: `cuda_backend` registers it when vLLM imports that backend
+# (while the attention layers are built, before the model's `__init__` ends)
+_AT_LOAD: list[Callable[[Any], tuple[torch.device, bool] | None]] = []
+
+
+def on_model_load(fn: Callable[[Any], tuple[torch.device, bool] | None]) -> None:
+    """Register `fn(vllm_config)`: makes the runtimes, returns (device, eviction runtime made?), or
+    None when the model does not run cotserve's backend."""
+    if fn not in _AT_LOAD:
+        _AT_LOAD.append(fn)
+
+
+def at_model_load(vllm_config) -> None:
+    """Make the runtimes and the scratch reservation now (inside vLLM's model loading), where the
+    model's attention runs cotserve's CUDA backend; otherwise nothing. Never raises."""
+    global _SCRATCH
+    try:
+        for fn in _AT_LOAD:
+            before = _allocated()
+            made = fn(vllm_config)
+            if made is None:
+                continue
+            device, evict = made
+            RESERVED["runtimes"] = _allocated() - before
+            n = scratch_bytes(vllm_config.model_config.dtype, evict)
+            _SCRATCH = torch.empty(n, dtype=torch.uint8, device=device) if n else None
+            RESERVED["scratch"] = n
+            log.info("cotserve reserved %.2f GiB inside vLLM's budget (runtimes %.2f, working tensors %.2f)",
+                     sum(RESERVED.values()) / 2**30, RESERVED["runtimes"] / 2**30, n / 2**30)
+    except Exception as exc:  # a guest: the builders make the runtimes as before
+        log.warning("cotserve could not reserve its GPU memory at model load (%s: %s); its buffers are "
+                    "allocated outside vLLM's budget (leave headroom with --gpu-memory-utilization)",
+                    type(exc).__name__, exc)
+
+
+def release_scratch() -> None:
+    """Hand the scratch reservation to PyTorch's allocator (the first metadata builder calls it)."""
+    global _SCRATCH
+    _SCRATCH = None
