@@ -447,8 +447,10 @@ def serve(
     public_metrics: Annotated[bool, typer.Option(help="With API keys: /metrics and the API docs (/docs, /redoc, "
                                                  "/openapi.json) answer without a key too (by default they need "
                                                  "one; /health and /ready never do).")] = False,
-    keepalive: Annotated[float, typer.Option(help="Seconds between SSE keep-alive comments while a stream waits "
-                                             "for tokens.")] = 15.0,
+    keepalive: Annotated[float, typer.Option(help="Seconds between SSE keep-alive comments (`: keep-alive`) while a "
+                                             "stream waits for tokens, for proxies that cut idle streams; 0 (the "
+                                             "default, as vllm serve): none. vllm bench serve's client drops "
+                                             "the events that follow a comment.")] = 0.0,
     queue_outage: Annotated[float, typer.Option(help="Seconds in-flight requests ride out an unreachable Redis "
                                                 "(retrying with backoff) before they fail with 503.")] = 30.0,
     drain_timeout: Annotated[float, typer.Option(help="On SIGTERM or Ctrl-C: seconds running requests get to "
@@ -491,8 +493,8 @@ def serve(
             replay_path(bench_replay)
         if max_header_bytes < 1024 or max_headers < 16:
             raise CotserveError("--max-header-bytes must be at least 1024 and --max-headers at least 16")
-        if max_body_bytes < 1024 or keepalive <= 0 or queue_timeout < 0 or queue_outage < 0 or drain_timeout < 0:
-            raise CotserveError("--max-body-bytes must be at least 1024, --keepalive positive, --queue-timeout, "
+        if max_body_bytes < 1024 or keepalive < 0 or queue_timeout < 0 or queue_outage < 0 or drain_timeout < 0:
+            raise CotserveError("--max-body-bytes must be at least 1024, --keepalive, --queue-timeout, "
                                 "--queue-outage and --drain-timeout at least 0")
         if log_level is not None:
             try:

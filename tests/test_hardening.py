@@ -258,3 +258,16 @@ def test_keepalive_and_queue_timeout_without_workers(engine):
         assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
         r = httpx.post(s.url + "/v1/chat/completions", json=chat(), timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+
+
+def test_no_keepalive_comment_by_default(engine):
+    """As vllm serve: a waiting stream gets no SSE comment unless --keepalive asks for one (vLLM's
+    load generator drops the events that follow a comment)."""
+    with Served(engine, worker=False, queue_timeout=1.5) as s:
+        s.queue.heartbeat("ghost", 600)  # /ready passes; nobody claims
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=chat(stream=True), timeout=30) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line]
+        assert not any(line.startswith(":") for line in lines), lines
+        errors = [json.loads(line[6:]) for line in lines if line.startswith("data: {") and '"error"' in line]
+        assert errors and errors[0]["error"]["code"] == "queue_timeout"

@@ -118,7 +118,7 @@ class GatewaySettings:
     poll_s: float = 0.5  # how often a waiting request checks for a client disconnect
     queue_timeout: float | None = None  # seconds a job may wait for a worker before it fails with 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    keepalive_s: float = 15.0  # an SSE comment after this many seconds without an event
+    keepalive_s: float = 0.0  # an SSE comment after this many seconds without an event (0: none)
     queue_outage_s: float = 30.0  # how long a request rides out an unreachable queue before it fails
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # header names and values together; more get 431
     max_headers: int = DEFAULT_MAX_HEADERS  # more headers get 431

@@ -77,8 +77,8 @@ class JobRelay:
         """The job's events until its n sequences are done (or an error); cancels the job when the
         client goes away (shielded: also on cancellation).
 
-        While nothing arrives it yields {"t": "ping"} every `keepalive_s` (streams send an SSE
-        comment), ends with a 503 `queue_timeout` once the job has waited `queue_timeout` seconds
+        While nothing arrives it yields {"t": "ping"} every `keepalive_s` when that is set (streams
+        send an SSE comment), ends with a 503 `queue_timeout` once the job has waited `queue_timeout` seconds
         without a worker (queued, or handed back after its worker was lost), and rides out an
         unreachable queue for `queue_outage_s` seconds, retrying with backoff. An error event's
         message has its file paths shortened (`redact_paths`): whichever worker wrote it, no path
@@ -120,7 +120,7 @@ class JobRelay:
                 if evs:
                     last_event, pending_since = now, None
                 else:
-                    if now - last_event >= self.settings.keepalive_s:
+                    if self.settings.keepalive_s > 0 and now - last_event >= self.settings.keepalive_s:
                         last_event = now
                         yield {"t": "ping"}
                     if outage_since is None and now - last_state >= 1.0:

@@ -41,7 +41,7 @@ class ServeArgs:
     served_model_name: str | None = None
     queue_timeout: float | None = 300.0  # None: no limit
     max_body_bytes: int = 4 * 1024 * 1024
-    keepalive_s: float = 15.0
+    keepalive_s: float = 0.0
     queue_outage_s: float = 30.0
     drain_s: float = 120.0  # on SIGTERM: seconds running requests get to finish
     max_header_bytes: int = 64 * 1024  # a request with more header bytes, or more headers, gets 431
