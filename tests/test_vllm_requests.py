@@ -57,3 +57,20 @@ def test_combinations_that_stay_refused():
         _ask("skipkv+sfi", "cpu", **{"sfi.dense_heads": 0.1})
     with pytest.raises(PolicyError, match="window=32"):
         _ask("rkv+sfi", "cpu", **{"rkv.window": 32})
+
+
+@pytest.mark.parametrize("policy", ["sfi", "skipkv+sfi"])
+def test_sfi_is_refused_while_prefix_caching_is_on(policy):
+    """A prefix-cache hit skips the prompt's query rows SFI's bootstrap selects from: the engine's
+    own check (VLLMEngine.check_policy, on an engine's settings) refuses SFI then, dense passes."""
+    from types import SimpleNamespace
+
+    from cotserve.policies.registry import build_policy
+    from cotserve.vllm.engine import VLLMEngine
+
+    caching = SimpleNamespace(evicting=True, prefix_caching=True, async_scheduling=False, steering_vector=None)
+    with pytest.raises(PolicyError, match="prefix caching is on"):
+        VLLMEngine.check_policy(caching, build_policy(policy, {}))
+    VLLMEngine.check_policy(caching, build_policy("dense", {}))
+    VLLMEngine.check_policy(SimpleNamespace(evicting=True, prefix_caching=False, async_scheduling=False,
+                                            steering_vector=None), build_policy(policy, {}))

@@ -12,7 +12,9 @@ vLLM is configured as `vllm serve` configures it (`UsageContext.OPENAI_API_SERVE
 `max_num_seqs`, `max_num_batched_tokens` and asynchronous scheduling follow vLLM's defaults for
 the device unless an option sets them. Eviction and steering need cotserve's `EvictingScheduler`,
 which runs with asynchronous scheduling and prefix caching off; when either is on, those requests
-are refused with a 400 that names the option, and dense and SFI requests run at vLLM's speed.
+are refused with a 400 that names the option, and dense and SFI requests run at vLLM's speed
+(SFI requests are refused too while prefix caching is on: a cache hit skips the prompt's queries
+SFI selects from).
 """
 
 from __future__ import annotations
@@ -256,6 +258,10 @@ class VLLMEngine:
                               "steering need cotserve's EvictingScheduler, which runs with asynchronous scheduling "
                               "and prefix caching off; start it with --no-async-scheduling (and without "
                               "--enable-prefix-caching) to serve them")
+        if pol.sfi is not None and self.prefix_caching:
+            raise PolicyError(f"policy {stack.name!r} is not available on this server: prefix caching is on, and SFI "
+                              "selects from the prompt's own last query rows, which a prefix-cache hit never "
+                              "computes; start it without --enable-prefix-caching to serve SFI")
         if pol.steer is not None and getattr(self, "steering_vector", None) is None:
             raise PolicyError("this vllm engine has no steering vector: none is shipped for its model; build one "
                               "with `cotserve build-steering` and start it with $COTSERVE_VLLM_STEERING_VECTOR set")
