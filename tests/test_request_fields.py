@@ -1,6 +1,7 @@
 """OpenAI / vLLM request fields a client relies on: each is honoured (penalties, min_p, min_tokens,
-stop_token_ids, logit_bias, chat_template_kwargs) or refused with a 400 naming it (response_format
-JSON modes, structured_outputs and guided_*, best_of other than n, priority other than 0). The
+stop_token_ids, logit_bias, chat_template_kwargs; constrained output on the vLLM engine) or refused
+with a 400 naming it (response_format JSON modes, structured_outputs and guided_* on the native
+engine, best_of other than n, priority other than 0). The
 native engine is driven over HTTP (gateway + in-process queue + worker thread); the sampler's
 functions against hand computations; vLLM's side through the `SamplingParams` it is given."""
 
@@ -275,6 +276,53 @@ def test_the_job_carries_the_fields_through_json(srv, engine, prompt):
     assert n == 1
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p,
             params.min_tokens, params.stop_token_ids, params.logit_bias) == (0.5, 0.25, 1.3, 0.1, 2, [7], {11: -100.0})
+
+
+@pytest.mark.parametrize("patch,spec,field", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     {"json": {"type": "object"}}, "response_format"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, {"choice": ["a", "b"]}, "structured_outputs"),
+    ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}, "guided_regex"),
+    ({"guided_json": {"type": "object"}}, {"json": {"type": "object"}}, "guided_json"),
+])
+def test_constrained_output_goes_to_the_vllm_engine(engine, patch, spec, field):
+    """With the vLLM engine behind it (serve --engine vllm) the gateway hands constrained output to
+    the worker as vLLM's structured outputs take it (tests/test_vllm_continuous.py: honoured there);
+    a native worker that gets such a job (a Redis deployment of mixed workers) refuses it, naming the
+    field."""
+    from cotserve.gateway.jobs import JobFactory
+    from cotserve.gateway.schemas import CompletionRequest
+
+    factory = JobFactory(GatewaySettings(model_name=MODEL, structured_outputs=True),
+                         PromptBuilder(engine.tokenizer, 2048))
+    sampling = factory.sampling_of(CompletionRequest(model=MODEL, prompt="x", **patch), 3, 8, "max_tokens", None,
+                                   "prompt")
+    job = Job.from_json(Job(prompt_ids=[1, 2, 3], sampling=sampling).to_json())
+    job.sampling.pop("n")
+    params = SamplingParams(**job.sampling)
+    assert (params.structured, params.structured_field) == (spec, field)
+    with pytest.raises(RequestError) as err:
+        engine.check_request(GenRequest([1, 2, 3], params))
+    assert err.value.field == field
+
+
+def test_constrained_output_asked_twice_or_without_a_schema_is_refused(engine):
+    from cotserve.gateway.errors import APIError
+    from cotserve.gateway.jobs import JobFactory
+    from cotserve.gateway.schemas import CompletionRequest
+
+    factory = JobFactory(GatewaySettings(model_name=MODEL, structured_outputs=True),
+                         PromptBuilder(engine.tokenizer, 2048))
+    for patch, param in [({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                          "response_format"),
+                         ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+                         ({"structured_outputs": {"whitespace": "a"}}, "structured_outputs")]:
+        with pytest.raises(APIError) as err:
+            factory.sampling_of(CompletionRequest(model=MODEL, prompt="x", **patch), 3, 8, "max_tokens", None,
+                                "prompt")
+        assert err.value.status == 400 and err.value.param == param, (patch, err.value.message)
 
 
 def test_the_queue_module_does_not_import_torch():

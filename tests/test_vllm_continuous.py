@@ -148,6 +148,55 @@ def test_a_failing_request_fails_alone(engine):
         assert len(ids) == n and out[j.id][-1]["t"] == "done"
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+          "required": ["ok", "color"], "additionalProperties": False}
+
+
+def test_constrained_output_is_honoured(engine):
+    """response_format json_schema / json_object, a choice and a regex reach vLLM's structured outputs:
+    each text parses as asked (the bundled model alone writes free text to these prompts), and a
+    schema vLLM cannot compile ends that request alone with a 400."""
+    import json
+    import re
+
+    q = InProcessQueue()
+    q.heartbeat("w-vs", 60)
+    w = ContinuousWorker(engine, q, worker_id="w-vs", max_wait=0.0)
+    from cotserve.engine.textproc import encode_chat
+
+    ids = encode_chat(engine.tokenizer, [{"role": "user", "content": "Tell me about the weather today."}])
+    specs = {"schema": ({"json": SCHEMA}, "response_format"), "object": ({"json_object": True}, "response_format"),
+             "choice": ({"choice": ["yes", "no"]}, "structured_outputs"),
+             "regex": ({"regex": "[0-9]{3}-[a-z]{2}"}, "guided_regex"),
+             "bad": ({"json": {"type": "no-such-type"}}, "response_format")}
+    jobs = {}
+    for name, (spec, field) in specs.items():
+        job = Job(prompt_ids=ids, sampling={"max_tokens": 96, "temperature": 0.0, "structured": spec,
+                                            "structured_field": field})
+        asyncio.run(q.submit(job, 64))
+        jobs[name] = job
+    free = Job(prompt_ids=ids, sampling={"max_tokens": 24, "temperature": 0.0})
+    asyncio.run(q.submit(free, 64))
+    out = _serve(w, q, [*jobs.values(), free])
+
+    def text(job):
+        assert out[job.id][-1]["t"] == "done", out[job.id][-1]
+        return "".join(e["text"] for e in out[job.id] if e["t"] == "delta")
+
+    got = json.loads(text(jobs["schema"]))
+    assert set(got) == {"ok", "color"} and isinstance(got["ok"], bool) and got["color"] in ("red", "green"), got
+    obj = text(jobs["object"]).strip()  # any object: the model may still be writing it at max_tokens
+    assert obj.startswith("{"), obj
+    if out[jobs["object"].id][-1].get("finish_reason") != "length":
+        assert isinstance(json.loads(obj), dict), obj
+    assert text(jobs["choice"]) in ("yes", "no")
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text(jobs["regex"]))
+    err = out[jobs["bad"].id][-1]
+    assert err["t"] == "error" and err["status"] == 400, err
+    free_text = text(free)
+    assert free_text and free_text not in ("yes", "no")  # the same prompt without constraint: free text
+
+
 def test_replay_is_refused_by_an_engine_not_started_for_it(engine):
     """A worker that replays a text (benchmarks only) on a vLLM engine started without
     `bench_replay` (as a plain `vllm serve` is): each request ends with a 400, none is forced."""

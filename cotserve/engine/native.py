@@ -218,6 +218,10 @@ class NativeEngine:
         if req.sampling.thinking_token_budget is not None and None in self.think_ids:
             raise RequestError("thinking_token_budget needs a model with <think> and </think> tokens; this one "
                                "has none", field="thinking_token_budget")
+        if req.sampling.structured is not None:
+            raise RequestError(f"{req.sampling.structured_field} is not supported on the native engine: structured "
+                               "decoding (constrained output) is not implemented there; serve with --engine vllm "
+                               "for it", field=req.sampling.structured_field)
 
     def thinking(self, req: GenRequest) -> ThinkingBudget | None:
         """The request's thinking budget state (None when it set none)."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from cotserve.errors import RequestError
+from cotserve.structured import STRUCTURED_KINDS
 
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
 # Temperatures below this decode greedily (as vLLM does): dividing logits by a tiny temperature
@@ -42,6 +44,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM/HF: logits of prompt and generated tokens divided (>0) or multiplied (<0)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
     thinking_token_budget: int | None = None  # tokens inside <think> before </think> is forced (engine/thinking.py)
+    structured: dict[str, Any] | None = None  # constrained output, {kind: value} as vLLM's structured outputs take it
+    structured_field: str = "response_format"  # the request field that asked for it (named in a refusal)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +72,10 @@ class SamplingParams:
                 raise RequestError(f"{name} must be in [-2, 2]", field=name)
         if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
             raise RequestError("thinking_token_budget must be >= 0", field="thinking_token_budget")
+        if self.structured is not None and (not isinstance(self.structured, dict) or len(self.structured) != 1
+                                            or next(iter(self.structured)) not in STRUCTURED_KINDS):
+            raise RequestError(f"constrained output takes one of {', '.join(STRUCTURED_KINDS)}",
+                               field=self.structured_field)
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise RequestError("repetition_penalty must be a finite number > 0", field="repetition_penalty")
         # JSON object keys are strings: a job's sampling settings carry {"123": -100}

@@ -123,6 +123,7 @@ class GatewaySettings:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # header names and values together; more get 431
     max_headers: int = DEFAULT_MAX_HEADERS  # more headers get 431
     public_metrics: bool = False  # with API keys: /metrics and the API docs answer without a key too
+    structured_outputs: bool = False  # the workers' engine constrains output (vLLM): response_format JSON modes etc.
 
 
 def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilder) -> FastAPI:

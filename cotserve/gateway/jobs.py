@@ -21,6 +21,7 @@ from cotserve.gateway.tools import get_tool_parser
 from cotserve.policies.options import OptionError, server_only_keys, validate_spec
 from cotserve.policies.served import check_served
 from cotserve.queue.base import Job
+from cotserve.structured import STRUCTURED_KINDS
 
 if TYPE_CHECKING:
     from cotserve.gateway.app import GatewaySettings, PromptBuilder
@@ -82,7 +83,7 @@ def tool_plan(req: ChatCompletionRequest, parser_name: str) -> tuple[list[dict[s
     return tools, plan
 
 
-STRUCTURED = "structured decoding (JSON, regex, choice or grammar constrained output) is not implemented"
+STRUCTURED = "structured decoding (JSON, regex, choice or grammar constrained output) is not implemented on the native engine"
 # chat_template_kwargs that would replace the server's own arguments of apply_chat_template
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "return_dict",
@@ -90,17 +91,46 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "truncation", "max_length", "return_assistant_tokens_mask"})
 
 
-def refuse_unserved(body) -> None:
-    """400 naming the first field asked for that this server does not do (it never answers a
-    request for JSON with free text): response_format other than text, structured_outputs and
-    guided_*, best_of other than n, priority other than 0."""
+def structured_of(body, served: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """The request's constrained-output spec as vLLM's structured outputs take it ({kind: value}) and
+    the field that asked for it, or (None, None). `served` False (the native engine): a 400 naming
+    the field, so a request for JSON is never answered with free text."""
+    asked: list[tuple[str, dict[str, Any]]] = []
     fmt = body.response_format
-    if fmt is not None and fmt.type != "text":
-        raise APIError(400, f"response_format {fmt.type!r} is not supported: {STRUCTURED}; only "
-                       "{'type': 'text'} is", param="response_format", code="invalid_value")
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = (fmt.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON Schema object",
+                           param="response_format", code="invalid_value")
+        asked.append(("response_format", {"json": schema}))
+    if body.structured_outputs is not None:
+        spec = {k: v for k, v in body.structured_outputs.items() if v is not None and v is not False}
+        kinds = [k for k in spec if k in STRUCTURED_KINDS]
+        if len(kinds) != 1 or len(spec) != 1:
+            raise APIError(400, f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}",
+                           param="structured_outputs", code="invalid_value")
+        asked.append(("structured_outputs", spec))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
         if getattr(body, name) is not None:
-            raise APIError(400, f"{name} is not supported: {STRUCTURED}", param=name, code="invalid_value")
+            asked.append((name, {kind: getattr(body, name)}))
+    if not asked:
+        return None, None
+    name, spec = asked[0]
+    if not served:
+        raise APIError(400, f"{name} is not supported on this server's engine: {STRUCTURED}; serve with "
+                       "--engine vllm for it", param=name, code="invalid_value")
+    if len(asked) > 1:
+        raise APIError(400, f"{asked[1][0]} and {name} both constrain the output; give one",
+                       param=asked[1][0], code="invalid_value")
+    return spec, name
+
+
+def refuse_unserved(body) -> None:
+    """400 naming the first field asked for that this server does not do: best_of other than n,
+    priority other than 0 (constrained output: `structured_of`)."""
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise APIError(400, "best_of is not supported beyond n (give best_of equal to n, or leave it out)",
                        param="best_of", code="invalid_value")
@@ -189,6 +219,9 @@ class JobFactory:
         without them is the same as before they existed."""
         vocab = len(self.prompts.tokenizer)
         out: dict[str, Any] = {}
+        spec, field = structured_of(body, self.settings.structured_outputs)
+        if spec is not None:
+            out["structured"], out["structured_field"] = spec, field
         for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_p", 0.0)):
             value = getattr(body, name)

@@ -86,8 +86,8 @@ class StreamOptions(BaseModel):
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text", "json_object", "json_schema"] = Field(
-        description="Only 'text' is served; 'json_object' and 'json_schema' are refused (400): structured "
-                    "decoding is not implemented.")
+        description="'json_object' and 'json_schema' ({name, schema}) constrain the output on --engine vllm "
+                    "(vLLM's structured outputs); the native engine refuses them (400).")
     json_schema: dict[str, Any] | None = None
 
 
@@ -113,17 +113,19 @@ class SamplingFields(BaseModel):
                                                     "answer follows; for models with <think> tokens (else 400).")
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
                                                 "added to its logit.")
-    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}; JSON modes are "
-                                                   "refused (400).")
+    response_format: ResponseFormat | None = Field(None, description="JSON modes: honoured on --engine vllm, "
+                                                   "refused (400) on the native engine.")
     best_of: StrictInt | None = Field(None, ge=1, description="Only equal to n (or null); more is refused (400).")
     priority: StrictInt | None = Field(None, description="Extension (as in vLLM): only 0 (or null); scheduling "
                                        "priorities are refused (400).")
-    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's structured decoding: refused (400).")
-    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's older structured decoding: refused "
-                                                     "(400).")
-    guided_regex: str | None = Field(None, description="Refused (400), as guided_json.")
-    guided_choice: list[str] | None = Field(None, description="Refused (400), as guided_json.")
-    guided_grammar: str | None = Field(None, description="Refused (400), as guided_json.")
+    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's structured outputs: one of json, "
+                                                      "json_object, regex, choice, grammar; honoured on --engine "
+                                                      "vllm, refused (400) on the native engine.")
+    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's older form of structured_outputs.json "
+                                                     "(as structured_outputs).")
+    guided_regex: str | None = Field(None, description="As structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="As structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="As structured_outputs.grammar.")
 
     _sampling_integers = field_validator("min_tokens", "stop_token_ids", "best_of", "priority",
                                          "thinking_token_budget", mode="before")(_integral)

@@ -75,7 +75,8 @@ def gateway_settings(args: ServeArgs, engine_args: EngineArgs, prompts, keys: li
         default_top_p=defaults.top_p, default_top_k=defaults.top_k, tool_call_parser=args.tool_call_parser,
         reasoning_parser=reasoning, queue_timeout=args.queue_timeout, max_body_bytes=args.max_body_bytes,
         keepalive_s=args.keepalive_s, queue_outage_s=args.queue_outage_s, max_header_bytes=args.max_header_bytes,
-        max_headers=args.max_headers, public_metrics=args.public_metrics)
+        max_headers=args.max_headers, public_metrics=args.public_metrics,
+        structured_outputs=engine_args.engine == "vllm")
 
 
 def run_serve(args: ServeArgs, engine_args: EngineArgs) -> None:

@@ -55,4 +55,12 @@ def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions
                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                           repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias) or None,
                           **({} if s.thinking_token_budget is None else
-                             {"thinking_token_budget": s.thinking_token_budget}))
+                             {"thinking_token_budget": s.thinking_token_budget}),
+                          **({} if s.structured is None else {"structured_outputs": structured_params(s.structured)}))
+
+
+def structured_params(spec: dict[str, Any]):
+    """vLLM's `StructuredOutputsParams` for a request's constrained output ({kind: value})."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(**spec)
