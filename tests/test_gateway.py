@@ -356,11 +356,14 @@ def test_worker_reports_unreachable_redis():
     assert r.returncode == 2 and r.stderr.startswith("error: cannot reach Redis at redis://127.0.0.1:1/0")
 
 
-def test_bench_serve_against_the_server(server):
+def test_bench_serve_against_the_server(server, capsys, monkeypatch):
     from cotserve.bench.serve import run_serve_bench
 
+    monkeypatch.delenv("COTSERVE_BENCH_QUIET", raising=False)
     rep = run_serve_bench(server.url, concurrency=2, requests=4, stream=True, max_tokens=3)
     assert rep["ok"] == 4 and rep["errors"] == 0 and rep["model"] == MODEL
+    progress = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[serve ")]
+    assert [ln.split("] ")[1] for ln in progress] == [f"{i}/4 requests done (0 failed)" for i in range(1, 5)]
     assert 4 <= rep["completion_tokens"] <= 12  # 4 requests, at most 3 tokens each (usage chunks)
     assert set(rep["latency_s"]) == {"p50", "p95", "p99", "mean"} and rep["ttft_s"]["p50"] <= rep["latency_s"]["p99"]
 

@@ -60,3 +60,21 @@ def test_fidelity_is_forced_on_the_true_text_by_default(data_dir, engine):
         run_fidelity_bench(["sfi"], context=96, steps=6, batch=1, policy_opt=None, policy_file=None,
                            model="smollm2-135m-instruct", data_dir=str(data_dir), device="cpu", dtype="float32",
                            forced_mode="other")
+
+
+def test_fidelity_bench_reports_progress_on_stderr(data_dir, engine, capsys, monkeypatch):
+    """A long bench says where it is (stderr, one line per stage and row); stdout is left to the JSON."""
+    monkeypatch.delenv("COTSERVE_BENCH_QUIET", raising=False)
+    run_fidelity_bench(["oracle_topk", "dense"], context=96, steps=4, batch=1, policy_opt=["k=4096"],
+                       policy_file=None, model="smollm2-135m-instruct", data_dir=str(data_dir), device="cpu",
+                       dtype="float32")
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.startswith("[fidelity ")]
+    assert not out.strip()
+    assert any("loaded" in ln for ln in lines) and any("dense reference" in ln for ln in lines), err
+    assert [ln.split("] ")[1].split(":")[0] for ln in lines if "row " in ln] == ["row 1/2 oracle_topk",
+                                                                                  "row 2/2 dense"], err
+    monkeypatch.setenv("COTSERVE_BENCH_QUIET", "1")
+    run_fidelity_bench(["dense"], context=96, steps=2, batch=1, policy_opt=None, policy_file=None,
+                       model="smollm2-135m-instruct", data_dir=str(data_dir), device="cpu", dtype="float32")
+    assert "[fidelity " not in capsys.readouterr().err

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from cotserve.bench.progress import Progress
 from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError
@@ -246,18 +247,27 @@ def run_decode_bench(policies: list[str], context: int, batch: int, new_tokens: 
         from cotserve.engine.replay import load_replay, replay_path
 
         replay_path(replay, data_dir)
+    note = Progress("decode")
     engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=batch)
     prompts, source = long_prompts_with_source(engine.tokenizer, context, batch, data_dir, random_tokens=random_tokens)
+    note(f"{model} loaded on {engine.device}; {len(runs)} row(s) of {batch} x ({context} + {new_tokens}) tokens")
     text = load_replay(replay, engine.tokenizer, data_dir) if replay else None
     forced = [text.tokens(i, new_tokens) for i in range(batch)] if text is not None else None
     # warm-up (allocator, kernels) so the first policy is not penalised
     time_native(engine, [p[:64] for p in prompts], 4, "dense", {})
     if scheduler == "continuous":
-        rows = [time_continuous(engine, prompts, new_tokens, p, opts, static_step, forced) for p, opts in runs]
+        rows = []
+        for i, (p, opts) in enumerate(runs, 1):
+            rows.append(time_continuous(engine, prompts, new_tokens, p, opts, static_step, forced))
+            note(f"row {i}/{len(runs)} {p}: {rows[-1].get('decode_tok_s')} decode tok/s")
     elif interleave and len(runs) > 1:
+        note(f"{len(runs)} rows interleaved step by step")
         rows, _ = time_native_interleaved(engine, prompts, new_tokens, runs, forced)
     else:
-        rows = [time_native(engine, prompts, new_tokens, p, opts, forced) for p, opts in runs]
+        rows = []
+        for i, (p, opts) in enumerate(runs, 1):
+            rows.append(time_native(engine, prompts, new_tokens, p, opts, forced))
+            note(f"row {i}/{len(runs)} {p}: {rows[-1].get('decode_tok_s')} decode tok/s")
     for row, spec, (_, opts) in zip(rows, specs, runs, strict=True):
         row["row"] = spec.label
         row["options"] = opts

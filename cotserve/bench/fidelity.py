@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from cotserve.bench.decode import _options_for
+from cotserve.bench.progress import Progress
 from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError
@@ -80,7 +81,9 @@ def run_fidelity_bench(policies: list[str], context: int, steps: int, batch: int
     runs = [(s.policy, {**_options_for(s.policy, options), **s.options}) for s in specs]
     for p, opts in runs:
         build_policy(p, opts)
+    note = Progress("fidelity")
     engine = NativeEngine(load_model(model, device=device, dtype=dtype), max_batch=batch)
+    note(f"{model} loaded on {engine.device}; {len(specs)} row(s), {batch} prompt(s) of {context} + {steps} tokens")
     texts, source = long_prompts_with_source(engine.tokenizer, context + steps, batch, data_dir,
                                              random_tokens=random_tokens)
     prompts = [t[:context] for t in texts]
@@ -90,8 +93,9 @@ def run_fidelity_bench(policies: list[str], context: int, steps: int, batch: int
     else:
         reference = _run(engine, prompts, steps, "dense", {}, None)
         forced = [r.token_ids for r in reference]
+    note(f"dense reference decoded ({forced_mode} forcing)")
     rows = []
-    for spec, (p, opts) in zip(specs, runs, strict=True):
+    for i, (spec, (p, opts)) in enumerate(zip(specs, runs, strict=True), 1):
         results = _run(engine, prompts, steps, p, opts, forced)
         row: dict[str, Any] = {"row": spec.label, "policy": build_policy(p, opts).name, "options": opts,
                                **compare(reference, results)}
@@ -102,6 +106,7 @@ def run_fidelity_bench(policies: list[str], context: int, steps: int, batch: int
                 tele[key] = round(sum(vals) / len(vals), 4)
         row["telemetry"] = tele
         rows.append(row)
+        note(f"row {i}/{len(specs)} {spec.label}: top-1 agreement {row['top1_agreement']}, mean KL {row['mean_kl']}")
     return {"bench": "fidelity", "model": model, "device": str(engine.device),
             "dtype": str(engine.dtype).replace("torch.", ""),
             "weight_dtype": str(engine.loaded.weight_dtype or engine.dtype).replace("torch.", ""),

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from cotserve.bench.progress import Progress
+
 PROMPTS = [
     "What is 2+2?",
     "Name three colours.",
@@ -96,6 +98,8 @@ async def _run(url: str, concurrency: int, requests: int, stream: bool, max_toke
             model = r.json()["data"][0]["id"]
         counter = iter(range(requests))
         results: list[dict[str, Any]] = []
+        note = Progress("serve")
+        every = max(1, requests // 10)
 
         async def client_loop() -> None:
             for i in counter:
@@ -107,6 +111,8 @@ async def _run(url: str, concurrency: int, requests: int, stream: bool, max_toke
                     results.append(await _one(client, base + "/v1/chat/completions", body, stream))
                 except (httpx.HTTPError, ValueError, KeyError) as exc:
                     results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}", "latency": 0.0})
+                if len(results) % every == 0 or len(results) == requests:
+                    note(f"{len(results)}/{requests} requests done ({sum(not r['ok'] for r in results)} failed)")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
