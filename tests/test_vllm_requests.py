@@ -74,3 +74,26 @@ def test_sfi_is_refused_while_prefix_caching_is_on(policy):
     VLLMEngine.check_policy(caching, build_policy("dense", {}))
     VLLMEngine.check_policy(SimpleNamespace(evicting=True, prefix_caching=False, async_scheduling=False,
                                             steering_vector=None), build_policy(policy, {}))
+
+
+def test_a_plain_vllm_with_prefix_caching_decodes_sfi_densely(caplog):
+    """In a vLLM started with prefix caching on (vllm serve's default), the row tracker hands an
+    SFI request to the backends as dense (with one warning), never as SFI over skipped queries."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from cotserve.vllm.logitsproc import RowTracker
+    from cotserve.vllm.requests import BatchRows
+
+    for caching in (True, False):
+        tracker = RowTracker(SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=caching)),
+                             torch.device("cpu"), False)
+        tracker.rows = BatchRows()
+        params = SamplingParams(max_tokens=4, extra_args={"cotserve_policy": "sfi"})
+        tracker.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                         added=[(0, params, [1, 2, 3], []), (1, params, [4, 5], [])]))
+        assert all((r.sfi is None) == caching for r in tracker.rows.rows.values())
+    assert sum("prefix caching is on" in r.message for r in caplog.records) == 1

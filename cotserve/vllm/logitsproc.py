@@ -7,11 +7,15 @@ engine cannot run (the client gets a 400 from vLLM's server, a `RequestError` fr
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from cotserve.errors import CotserveError
 from cotserve.vllm.requests import ROWS, RequestPolicy, RowRequest, request_policy_of
+
+log = logging.getLogger(__name__)
 
 
 class RowTracker(LogitsProcessor):
@@ -24,6 +28,11 @@ class RowTracker(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.rows = ROWS
+        # a prefix-cache hit skips the prompt's query rows SFI's first selection reads: SFI requests
+        # decode densely then (`cotserve serve` refuses them with a 400 before they get here)
+        cache = getattr(vllm_config, "cache_config", None)
+        self.prefix_caching = bool(getattr(cache, "enable_prefix_caching", False))
+        self._warned = False
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -41,6 +50,12 @@ class RowTracker(LogitsProcessor):
                 pol = request_policy_of(params.extra_args) if params is not None else RequestPolicy()
             except CotserveError:  # validate_params refused it already; never reached in practice
                 pol = RequestPolicy()
+            if pol.sfi is not None and self.prefix_caching:
+                if not self._warned:
+                    log.warning("sfi: prefix caching is on, so SFI requests decode densely (start vLLM with "
+                                "--no-enable-prefix-caching to serve them)")
+                    self._warned = True
+                pol.sfi = None
             prompt = list(prompt_ids or [])
             # a request resumed after a preemption prefills its prompt and its output so far
             self.rows.add(index, RowRequest(prompt, output_ids, sfi=pol.sfi, evict=pol.evict, steer=pol.steer,
