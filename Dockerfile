@@ -4,9 +4,6 @@ WORKDIR /app
 ENV HF_HUB_OFFLINE=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 COPY pyproject.toml requirements.lock README.md LICENSE ./
 COPY cotserve cotserve
-COPY kernels kernels
-COPY eval eval
-COPY steering_vectors steering_vectors
 # a C++ compiler for SFI's CPU decode kernel (built below, once)
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 # torch from the CPU wheel index (no CUDA download), then cotserve at the locked versions, then the

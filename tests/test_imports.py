@@ -12,8 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {"cotserve": "cotserve", "kernels": "cotserve.kernels", "eval": "cotserve.eval",
-           "steering_vectors": "cotserve.steering_vectors"}
+FOLDERS = {"cotserve": "cotserve"}
 TOOLS = ("cotserve.bench", "cotserve.eval", "cotserve.cli", "cotserve.build_steering",
          "cotserve.sinkrouter_calibration")
 # Gateway modules that still load torch, and why; a fix removes its line here (the test checks

@@ -18,8 +18,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-FOLDERS = {"cotserve": "cotserve", "kernels": "cotserve.kernels", "eval": "cotserve.eval",
-           "steering_vectors": "cotserve.steering_vectors"}
+FOLDERS = {"cotserve": "cotserve"}
 # Declared but never imported by name: what needs them, and why they are declared.
 INDIRECT = {
     "gguf": "transformers' GGUF loader converts the bundled model",
@@ -62,11 +61,10 @@ def test_no_setup_py_and_package_list_matches_the_folders():
     assert not (ROOT / "setup.py").exists()
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
     assert listed == _packages_on_disk()
-    package_dir = PYPROJECT["tool"]["setuptools"]["package-dir"]
-    for package in listed:  # setuptools resolves a package's folder by its longest mapped prefix
-        prefix = max((p for p in package_dir if package == p or package.startswith(p + ".")), key=len)
-        folder = ROOT / package_dir[prefix] / Path(*package[len(prefix):].lstrip(".").split(".") if package != prefix else ())
-        assert (folder / "__init__.py").is_file(), f"{package} -> {folder}"
+    # every package is the folder of its name (no remapped folders)
+    assert "package-dir" not in PYPROJECT["tool"]["setuptools"]
+    for package in listed:
+        assert (ROOT / Path(*package.split(".")) / "__init__.py").is_file(), package
 
 
 def test_every_import_is_declared_and_every_dependency_used():

@@ -56,8 +56,7 @@ BUILD_HINT = "cotserve build-steering --model {model} --data math_train.jsonl --
 
 
 def shipped_dir() -> Path:
-    """The folder of vectors shipped with the package (`steering_vectors/`, installed as
-    `cotserve.steering_vectors`)."""
+    """The folder of vectors shipped with the package (`cotserve/steering_vectors/`)."""
     return shipped_vector_dir()
 
 

@@ -1,0 +1,1 @@
+"""Evaluation suites: loaders, graders, runners, reports."""

@@ -1,1 +1,0 @@
-"""Evaluation suites: loaders, graders, runners, reports (installed as cotserve.eval)."""
