@@ -197,6 +197,39 @@ def test_constrained_output_is_honoured(engine):
     assert free_text and free_text not in ("yes", "no")  # the same prompt without constraint: free text
 
 
+def test_sampling_fields_are_honoured_by_vllm(engine):
+    """The request fields the gateway puts in a job (tests/test_request_fields.py) change vLLM's
+    output as asked, greedy: a banned token never appears, stop_token_ids end the text, min_tokens
+    holds that end back, the penalties break a repetition, min_p=1 at temperature 1 is greedy."""
+    q = InProcessQueue()
+    q.heartbeat("w-vp", 60)
+    w = ContinuousWorker(engine, q, worker_id="w-vp", max_wait=0.0)
+    ids = engine.tokenizer.encode("the the the the the the the the")
+    base = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    first = Job(prompt_ids=ids, sampling=dict(base))
+    asyncio.run(q.submit(first, 64))
+    greedy = [t for e in _serve(w, q, [first])[first.id] if e["t"] == "delta" for t in e["ids"]]
+    assert len(greedy) == 16 and max(greedy.count(t) for t in greedy) >= 8  # repetitive
+    top = max(set(greedy), key=greedy.count)
+    cases = {"bias": {"logit_bias": {str(top): -100}}, "stop": {"stop_token_ids": [greedy[2]], "ignore_eos": False},
+             "min": {"stop_token_ids": [greedy[0]], "min_tokens": 6, "ignore_eos": False},
+             "presence": {"presence_penalty": 2.0}, "frequency": {"frequency_penalty": 2.0},
+             "repetition": {"repetition_penalty": 2.0}, "min_p": {"min_p": 1.0, "temperature": 1.0}}
+    jobs = {k: Job(prompt_ids=ids, sampling={**base, **v}) for k, v in cases.items()}
+    for j in jobs.values():
+        asyncio.run(q.submit(j, 64))
+    w = ContinuousWorker(engine, q, worker_id="w-vp", max_wait=0.0)
+    out = _serve(w, q, list(jobs.values()))
+    got = {k: [t for e in out[j.id] if e["t"] == "delta" for t in e["ids"]] for k, j in jobs.items()}
+    assert got["bias"] and top not in got["bias"]
+    cut = greedy.index(greedy[2])  # the text ends at the stop token's first appearance
+    assert got["stop"] in (greedy[: cut + 1], greedy[:cut]) and out[jobs["stop"].id][-1]["finish_reason"] == "stop"
+    assert len(got["min"]) >= 6  # greedy[0] would have ended it at once
+    for k in ("presence", "frequency", "repetition"):
+        assert max(got[k].count(t) for t in got[k]) < max(greedy.count(t) for t in greedy), (k, got[k])
+    assert got["min_p"] == greedy
+
+
 def test_replay_is_refused_by_an_engine_not_started_for_it(engine):
     """A worker that replays a text (benchmarks only) on a vLLM engine started without
     `bench_replay` (as a plain `vllm serve` is): each request ends with a 400, none is forced."""
