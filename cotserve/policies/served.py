@@ -49,7 +49,8 @@ def shipped_calibration(slug: str) -> Path:
 
 
 def shipped_vector_dir() -> Path:
-    """The folder of steering vectors shipped with the package (`cotserve/steering_vectors/`): one subfolder per model slug, `layer_<L>.safetensors` in it."""
+    """The folder of steering vectors shipped with the package (`cotserve/steering_vectors/`): one
+    subfolder per model slug, `layer_<L>.safetensors` in it."""
     import cotserve.steering_vectors as sv
 
     return Path(sv.__file__).resolve().parent

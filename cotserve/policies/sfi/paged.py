@@ -66,8 +66,8 @@ def sfi_telemetry(st) -> dict[str, float | int]:
 
 W_MAX = 32  # obs_window at most
 # float32 logits a refresh holds at once: requests are refreshed together and layers in chunks
-# under this many (one layer of one request may exceed it); its working set, about twice this in
-# bytes x 4, is what a vLLM engine reserves for it (`cotserve.vllm.gpu_memory`)
+# under this many (one layer of one request may exceed it); its working set, about twice this many
+# floats, is what a vLLM engine reserves for it (`cotserve.vllm.gpu_memory`)
 REFRESH_FLOATS = 1 << 28
 
 
@@ -146,11 +146,9 @@ class PagedSFI:
             rows = tuple(p for p in st.ring_pos if max(0, st.refresh_lo) <= p < hi)
             own = id(st) if st.refresh_pos is not None else None  # its own entry positions: alone
             groups.setdefault((repr(st.cfg), st.refresh_n, rows, own), []).append((st, blocks))
-        for group in groups.values():
-            st0 = group[0][0]
-            rows = sum(1 for p in st0.ring_pos if max(0, st0.refresh_lo) <= p < (st0.refresh_hi or st0.refresh_n))
-            # requests at once: one layer of the group's float32 logits stays under REFRESH_FLOATS
-            per = max(1, REFRESH_FLOATS // max(1, self.hq * rows * st0.refresh_n))
+        for (_, n, rows, _), group in groups.items():
+            # requests at once: one layer of the part's float32 logits stays under REFRESH_FLOATS
+            per = max(1, REFRESH_FLOATS // max(1, self.hq * len(rows) * n))
             for a in range(0, len(group), per):
                 part = group[a : a + per]
                 self.refresh([st for st, _ in part], torch.stack([b for _, b in part]), block_size)
