@@ -336,3 +336,44 @@ def test_a_context_too_short_to_skip_decodes_densely_then_selects(setup):
     fa = g.step(SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, 1]),
                                 block_table_tensor=blocks.view(1, -1), seq_lens=torch.tensor([10], dtype=torch.int32)), BS)
     assert int(fa[0]) == 10 and int(g.row_mode[0]) == 7
+
+
+def test_an_engine_without_sfi_slots_decodes_sfi_densely_and_reserves_nothing(monkeypatch):
+    """With prefix caching on no request runs SFI: the CUDA engine makes no SFI slot (its compact
+    buffers are one small unused slot) and reserves no working memory for refreshes; a request
+    that still asks for SFI decodes densely, and the fast kernel's pointers stay valid."""
+    from cotserve.policies.sfi.paged import REFRESH_FLOATS
+    from cotserve.vllm import gpu_memory
+    from cotserve.vllm.requests import RowRequest
+
+    monkeypatch.delenv("COTSERVE_VLLM_SFI_SLOTS", raising=False)
+    monkeypatch.delenv("COTSERVE_VLLM_SCRATCH_MIB", raising=False)
+    assert gpu_memory.sfi_slots(256, prefix_caching=True) == 0
+    assert gpu_memory.sfi_slots(16, prefix_caching=False) == 16
+    assert gpu_memory.sfi_slots(256, prefix_caching=False) == 64
+    monkeypatch.setenv("COTSERVE_VLLM_SFI_SLOTS", "8")
+    assert gpu_memory.sfi_slots(256, prefix_caching=False) == 8
+    assert gpu_memory.sfi_slots(256, prefix_caching=True) == 0  # nothing to serve it with
+    assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=False, evict=False) == 0
+    assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=True, evict=False) == 8 * REFRESH_FLOATS
+    assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=False, evict=True) > 0
+
+    gen = torch.Generator().manual_seed(5)
+    caches = [torch.randn(NB, HKV, BS, 2 * D, generator=gen) for _ in range(L)]
+    g = GraphSFI([SimpleNamespace(kv_cache=c) for c in caches], HQ, HKV, D, 0.25, torch.float32,
+                 torch.device("cpu"), slots=0, max_rows=4, max_k=0, rows=BatchRows())
+    assert g.ck.shape[1] == 1 and g.C == 64 and g.ring.shape[1] == 1  # the ring's one slot is the scratch one
+    cfg = SFIConfig(k=24, recent=16, sinks=4)
+    req = RowRequest(prompt_ids=list(range(90)), output_ids=[], sfi=cfg)
+    g.rows.rows[0] = req
+    blocks = torch.randperm(NB, generator=gen)[:8].to(torch.int32)
+    cm = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, 90]), block_table_tensor=blocks.view(1, -1),
+                         seq_lens=torch.tensor([90], dtype=torch.int32))
+    fa = g.step(cm, BS)
+    assert req.sfi is None and req.state is None and int(fa[0]) == 90 and int(g.row_mode[0]) == 0
+    q = torch.randn(1, HQ, D, generator=gen)
+    out = torch.zeros_like(q)
+    kc, vc = caches[0].transpose(1, 2).split(D, dim=-1)
+    sfi_paged_fast_reference(q, out, g.ck[0], g.cv[0], g.cpos[0], kc, vc, blocks.view(1, -1), g.row_mode[:1],
+                             g.row_slot[:1], g.row_tok[:1], g.row_ws[:1], g.row_len[:1], 0.25)
+    assert torch.equal(out, torch.zeros_like(q))  # a dense row: the fast kernel leaves it to FlashAttention

@@ -19,8 +19,8 @@ graph; the selection it makes is read from that step on, exactly as in the nativ
 Memory: compact buffers of `slots x layers x KV heads x (sinks + k_max) x head_dim` for K and V
 in the cache dtype, allocated while the model loads, so vLLM's KV cache is sized around them
 (`gpu_memory`):
-`COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64) SFI requests run at
-once; more wait for a slot as dense... see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (2048) caps k.
+`COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64; none with prefix caching
+on, where SFI is not served) SFI requests run at once; another decodes densely, see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (2048) caps k.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _runtime(vllm_config, device) -> GraphSFI:
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         first = ordered[0].impl
         max_rows = max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-        slots = int(os.environ.get("COTSERVE_VLLM_SFI_SLOTS", min(sc.max_num_seqs, 64)))
-        max_k = int(os.environ.get("COTSERVE_VLLM_SFI_MAX_K", 2048))
+        slots = gpu_memory.sfi_slots(sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching))
+        max_k = int(os.environ.get("COTSERVE_VLLM_SFI_MAX_K", 2048)) if slots else 0
         from cotserve.vllm.runtime_access import model_tokenizer
 
         tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")
@@ -82,9 +82,9 @@ def _evict_runtime(vllm_config, device):
     return runtime_access.evict_for(vllm_config, device, force=True, slots=slots)
 
 
-def _at_model_load(vllm_config) -> tuple[torch.device, bool] | None:
+def _at_model_load(vllm_config) -> tuple[torch.device, bool, bool] | None:
     """Both runtimes, made while the model loads (`gpu_memory`), when its attention layers run this
-    backend; returns (device, eviction runtime made?), or None."""
+    backend; returns (device, SFI slots made?, eviction runtime made?), or None."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
@@ -92,8 +92,8 @@ def _at_model_load(vllm_config) -> tuple[torch.device, bool] | None:
     if not layers or not isinstance(layers[0].impl, CotserveFlashImpl):
         return None
     device = torch.device("cuda", torch.cuda.current_device())
-    _runtime(vllm_config, device)
-    return device, _evict_runtime(vllm_config, device) is not None
+    sfi = _runtime(vllm_config, device).slots > 0
+    return device, sfi, _evict_runtime(vllm_config, device) is not None
 
 
 class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):

@@ -321,7 +321,7 @@ class VLLMEngine:
             if item is None:
                 if rid in pending and rid in aborted:  # abort ends the generator without a final output
                     pending.discard(rid)
-                    yield [self._final(by_id[rid], state[rid], "cancelled")]
+                    yield [self._final(by_id[rid], state[rid], "cancelled", stack.name)]
                 continue
             if isinstance(item, Exception):
                 pending.discard(rid)
@@ -338,17 +338,17 @@ class VLLMEngine:
             if item.finished:
                 pending.discard(rid)
                 reason = "cancelled" if rid in aborted else (o.finish_reason or "stop")
-                d = self._final(by_id[rid], state[rid], reason)
+                d = self._final(by_id[rid], state[rid], reason, stack.name)
                 d.token_ids, d.text, d.logprobs = ids, text, lps
                 yield [d]
             elif ids or text:
                 yield [Delta(rid, ids, text, logprobs=lps)]
 
-    def _final(self, req: GenRequest, st: dict, reason: str) -> Delta:
+    def _final(self, req: GenRequest, st: dict, reason: str, policy: str) -> Delta:
         reason = {"abort": "cancelled"}.get(reason, reason)
         res = Completion(request_id=req.request_id, text="".join(st["text"]), token_ids=list(st["ids"]),
                          finish_reason=reason, prompt_tokens=len(req.prompt_ids), completion_tokens=len(st["ids"]),
-                         telemetry={"engine": "vllm", **st.get("telemetry", {})})
+                         telemetry={"engine": "vllm", "policy": policy, **st.get("telemetry", {})})
         return Delta(req.request_id, [], "", finished=True, finish_reason=reason, result=res)
 
     def generate(self, requests: list[GenRequest], policy: PolicyStack | str | None = None,

@@ -32,17 +32,29 @@ _SCRATCH: torch.Tensor | None = None
 RESERVED: dict[str, int] = {}  # what was reserved at load, in bytes, by purpose
 
 
-def scratch_bytes(dtype: torch.dtype, evict: bool) -> int:
+def sfi_slots(max_num_seqs: int, prefix_caching: bool) -> int:
+    """SFI requests a CUDA engine decodes at once (its compact buffers' slots):
+    `$COTSERVE_VLLM_SFI_SLOTS` when set, else max_num_seqs, at most 64; none with prefix caching on,
+    where no request runs SFI (the gateway refuses it and the row tracker decodes it densely), so a
+    dense server with prefix caching keeps all of vLLM's KV cache."""
+    if prefix_caching:
+        return 0
+    env = os.environ.get("COTSERVE_VLLM_SFI_SLOTS", "")
+    return max(0, int(env)) if env else min(max_num_seqs, 64)
+
+
+def scratch_bytes(dtype: torch.dtype, sfi: bool, evict: bool) -> int:
     """Bytes of working tensors the biggest refresh or compaction holds at once:
     `$COTSERVE_VLLM_SCRATCH_MIB` when set, else SFI's refresh logits (twice `REFRESH_FLOATS`
-    floats) or, with the eviction runtime, a compaction's gathered K and V (`GROUP_ELEMENTS` in the
-    model dtype) and its similarity scores (twice `SCORE_FLOATS` floats), whichever is larger."""
+    floats, when the engine has SFI slots) or, with the eviction runtime, a compaction's gathered
+    K and V (`GROUP_ELEMENTS` in the model dtype) and its similarity scores (twice `SCORE_FLOATS`
+    floats), whichever is larger; 0 with neither."""
     env = os.environ.get("COTSERVE_VLLM_SCRATCH_MIB", "")
     if env:
         return max(0, int(env)) << 20
     from cotserve.policies.sfi.paged import REFRESH_FLOATS
 
-    need = 2 * 4 * REFRESH_FLOATS
+    need = 2 * 4 * REFRESH_FLOATS if sfi else 0
     if evict:
         from cotserve.vllm.evict_runtime import GROUP_ELEMENTS, SCORE_FLOATS
 
@@ -57,12 +69,12 @@ def _allocated() -> int:
 
 # what makes the runtimes at model load: `cuda_backend` registers it when vLLM imports that backend
 # (while the attention layers are built, before the model's `__init__` ends)
-_AT_LOAD: list[Callable[[Any], tuple[torch.device, bool] | None]] = []
+_AT_LOAD: list[Callable[[Any], tuple[torch.device, bool, bool] | None]] = []
 
 
-def on_model_load(fn: Callable[[Any], tuple[torch.device, bool] | None]) -> None:
-    """Register `fn(vllm_config)`: makes the runtimes, returns (device, eviction runtime made?), or
-    None when the model does not run cotserve's backend."""
+def on_model_load(fn: Callable[[Any], tuple[torch.device, bool, bool] | None]) -> None:
+    """Register `fn(vllm_config)`: makes the runtimes, returns (device, SFI slots made?, eviction
+    runtime made?), or None when the model does not run cotserve's backend."""
     if fn not in _AT_LOAD:
         _AT_LOAD.append(fn)
 
@@ -77,9 +89,9 @@ def at_model_load(vllm_config) -> None:
             made = fn(vllm_config)
             if made is None:
                 continue
-            device, evict = made
+            device, sfi, evict = made
             RESERVED["runtimes"] = _allocated() - before
-            n = scratch_bytes(vllm_config.model_config.dtype, evict)
+            n = scratch_bytes(vllm_config.model_config.dtype, sfi, evict)
             _SCRATCH = torch.empty(n, dtype=torch.uint8, device=device) if n else None
             RESERVED["scratch"] = n
             log.info("cotserve reserved %.2f GiB inside vLLM's budget (runtimes %.2f, working tensors %.2f)",

@@ -37,6 +37,7 @@ class _Flight:
 
     req: GenRequest
     vid: str  # vLLM's request id (unique per submission)
+    policy: str  # the request's policy stack (its telemetry's `policy`, as the native engines give it)
     need: int  # KV tokens counted against the budget until vLLM's next report
     report: int  # the KV report sequence number when it was submitted
     ids: list[int] = field(default_factory=list)
@@ -86,7 +87,7 @@ class VLLMPool:
         extra = policy_extra_args(stack)
         params = self.engine._params(req, extra)
         _, seq = self.engine.kv.report()
-        fl = _Flight(req, f"{req.request_id}-{uuid.uuid4().hex[:8]}", need or len(req.prompt_ids), seq)
+        fl = _Flight(req, f"{req.request_id}-{uuid.uuid4().hex[:8]}", stack.name, need or len(req.prompt_ids), seq)
         self._flights[req.request_id] = fl
         self.submitted += 1
         asyncio.run_coroutine_threadsafe(self._consume(fl, params), self.engine.loop)
@@ -177,7 +178,7 @@ class VLLMPool:
         reason = {"abort": "cancelled"}.get(reason, reason)
         res = Completion(request_id=fl.req.request_id, text="".join(fl.text), token_ids=list(fl.ids),
                          finish_reason=reason, prompt_tokens=len(fl.req.prompt_ids), completion_tokens=len(fl.ids),
-                         telemetry={"engine": "vllm", **fl.telemetry})
+                         telemetry={"engine": "vllm", "policy": fl.policy, **fl.telemetry})
         return Delta(fl.req.request_id, [], "", finished=True, finish_reason=reason, result=res)
 
     def _failed(self, fl: _Flight, exc: BaseException) -> Delta:

@@ -110,9 +110,10 @@ class PagedSFI:
         self.C = -(-(max_k + max_sinks) // 64) * 64
         L, S, H, C, D = self.L, slots, num_kv_heads, self.C, head_dim  # noqa: N806
         dev = self.device
-        self.ck = torch.zeros(L, S, H, C, D, dtype=dtype, device=dev)
-        self.cv = torch.zeros(L, S, H, C, D, dtype=dtype, device=dev)
-        self.cpos = torch.full((L, S, H, C), -1, dtype=torch.int32, device=dev)
+        sb = max(S, 1)  # no slots (an engine that serves no SFI): one small unused slot keeps the kernels' pointers valid
+        self.ck = torch.zeros(L, sb, H, C, D, dtype=dtype, device=dev)
+        self.cv = torch.zeros(L, sb, H, C, D, dtype=dtype, device=dev)
+        self.cpos = torch.full((L, sb, H, C), -1, dtype=torch.int32, device=dev)
         self.ring = torch.zeros(L, S + 1, W_MAX, num_heads, D, dtype=dtype, device=dev)
         r = max_rows
         self.row_mode = torch.zeros(r, dtype=torch.int32, device=dev)
