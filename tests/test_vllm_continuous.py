@@ -148,6 +148,22 @@ def test_a_failing_request_fails_alone(engine):
         assert len(ids) == n and out[j.id][-1]["t"] == "done"
 
 
+def test_each_finished_request_names_its_policy(engine):
+    """A finished request's telemetry names the policy it ran (the gateway's per-policy metrics are
+    labelled with it), as the native engines' do."""
+    q = InProcessQueue()
+    q.heartbeat("w-vp", 60)
+    w = ContinuousWorker(engine, q, worker_id="w-vp", max_wait=0.0)
+    ids = engine.tokenizer.encode("Explain rain.")
+    jobs = [Job(prompt_ids=ids, sampling={"max_tokens": 6, "temperature": 0.0}, policy=p) for p in ("dense", "sfi")]
+    for j in jobs:
+        asyncio.run(q.submit(j, 64))
+    out = _serve(w, q, jobs)
+    for j in jobs:
+        done = out[j.id][-1]
+        assert done["t"] == "done" and done["telemetry"]["policy"] == j.policy, done
+
+
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
           "required": ["ok", "color"], "additionalProperties": False}
 

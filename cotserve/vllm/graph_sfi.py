@@ -94,9 +94,9 @@ class GraphSFI(PagedSFI):
             return fa
         # fresh (pageable) host tensors each step: their copies are staged at once, so a CPU that
         # runs ahead of the GPU (async scheduling) never overwrites a pending transfer
-        host = torch.zeros(5, self.max_rows, dtype=torch.int32)
-        whost = torch.zeros(3, self.nw, dtype=torch.long)
-        whost[1].fill_(self.slots)
+        # (built as lists and made tensors once: a small tensor per row costs more host time than the rest)
+        host = [[0] * self.max_rows for _ in range(5)]  # mode, slot, token, window start, length per row
+        whost = [[0] * self.nw, [self.slots] * self.nw, [0] * self.nw]  # ring writes: token, slot, ring index
         self.extra_writes = []
         nwrite = 0
         any_sfi = False
@@ -124,11 +124,7 @@ class GraphSFI(PagedSFI):
                 m = min(w, ntok)
                 for p in range(new_len - m, new_len):
                     entry = (tok + p - (new_len - ntok), st.slot, p % w)
-                    if nwrite < self.nw:
-                        whost[:, nwrite] = torch.tensor(entry)
-                        nwrite += 1
-                    else:
-                        self.extra_writes.append(entry)
+                    nwrite = self._ring_entry(whost, entry, nwrite)
                     st.ring_pos[p % w] = p
                 if new_len == st.prompt_len and phys > st.cfg.sinks + st.cfg.k + st.cfg.recent:
                     # the bootstrap: the prompt's last prefill_window rows (a shorter prompt decodes
@@ -145,10 +141,9 @@ class GraphSFI(PagedSFI):
                 st.short_steps += 1
                 st.short = True
                 st.retained_sum += 1.0
-                self._ring_entry(whost, (tok, st.slot, pos % w), nwrite)
-                nwrite += 1
+                nwrite = self._ring_entry(whost, (tok, st.slot, pos % w), nwrite)
                 st.ring_pos[pos % w] = pos
-                host[:, i] = torch.tensor((0, st.slot, tok, ws, phys), dtype=torch.int32)
+                self._row(host, i, (0, st.slot, tok, ws, phys))
                 continue
             seq_prev = req.output_ids[-2] if len(req.output_ids) >= 2 else (
                 req.prompt_ids[-1] if req.prompt_ids else -1)
@@ -160,13 +155,9 @@ class GraphSFI(PagedSFI):
             st.steps += 1
             if est is not None and est.pos is not None:
                 cuts.append((i, self._cutoff(est, ws, phys)))
-            if nwrite < self.nw:
-                whost[:, nwrite] = torch.tensor((tok, st.slot, pos % w))
-                nwrite += 1
-            else:
-                self.extra_writes.append((tok, st.slot, pos % w))
+            nwrite = self._ring_entry(whost, (tok, st.slot, pos % w), nwrite)
             st.ring_pos[pos % w] = pos
-            host[:, i] = torch.tensor((2 if slow else 1, st.slot, tok, ws, phys), dtype=torch.int32)
+            self._row(host, i, (2 if slow else 1, st.slot, tok, ws, phys))
             if slow:
                 st.slow_steps += 1
                 st.retained_sum += 1.0
@@ -176,27 +167,38 @@ class GraphSFI(PagedSFI):
                 read = min(st.k_eff + min(st.cfg.sinks, phys), ws) + (phys - ws)
                 st.retained_sum += min(1.0, read / phys)
         self.any_sfi = any_sfi
-        for t, src in zip((self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len), host,
+        host_t = torch.tensor(host, dtype=torch.int32)
+        for t, src in zip((self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len), host_t,
                           strict=True):
             t.copy_(src, non_blocking=True)
         if any_sfi:  # each head's compact cutoff: the window start, or a compacted row's true positions
             self.row_cws.copy_(self.row_ws.view(1, -1, 1).expand_as(self.row_cws))
             for i, cut in cuts:
                 self.row_cws[:, i] = cut
-        self.w_tok.copy_(whost[0], non_blocking=True)
-        self.w_slot.copy_(whost[1], non_blocking=True)
-        self.w_idx.copy_(whost[2], non_blocking=True)
+        whost_t = torch.tensor(whost, dtype=torch.long)
+        self.w_tok.copy_(whost_t[0], non_blocking=True)
+        self.w_slot.copy_(whost_t[1], non_blocking=True)
+        self.w_idx.copy_(whost_t[2], non_blocking=True)
         lens = cm.seq_lens
         n = lens.shape[0]
         fa = self.fa_lens[:n]
         torch.where(self.row_mode[:n] == 1, torch.ones_like(lens), lens, out=fa)
         return fa
 
-    def _ring_entry(self, whost: torch.Tensor, entry: tuple[int, int, int], nwrite: int) -> None:
+    def _ring_entry(self, whost: list[list[int]], entry: tuple[int, int, int], nwrite: int) -> int:
+        """One ring write of the step: into the row tensors while they have room, else eager.
+        Returns the row tensors' count."""
         if nwrite < self.nw:
-            whost[:, nwrite] = torch.tensor(entry)
-        else:
-            self.extra_writes.append(entry)
+            for col, v in zip(whost, entry, strict=True):
+                col[nwrite] = v
+            return nwrite + 1
+        self.extra_writes.append(entry)
+        return nwrite
+
+    @staticmethod
+    def _row(host: list[list[int]], i: int, values: tuple[int, int, int, int, int]) -> None:
+        for col, v in zip(host, values, strict=True):
+            col[i] = v
 
     def _refresh_terms(self, st: SlotState, est, evict, cm, row: int, phys: int) -> None:
         """A refresh due for an evicting request reads the cache as this step leaves it: keep its
