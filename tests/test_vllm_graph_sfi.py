@@ -158,6 +158,48 @@ def test_no_compilation_after_the_warm_up_cuda():
     assert compiled() == before
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (stream synchronization)")
+def test_step_and_refresh_never_wait_for_the_gpu_cuda():
+    """A decode step's plan and its refreshes queue their work and return: no synchronizing call
+    (a blocking copy, `.item()`, a pageable upload), so under vLLM's asynchronous scheduling the next
+    step is planned while the GPU still runs this one. PyTorch's sync debug mode raises on any
+    synchronizing call; the host tensors are uploaded from pinned memory."""
+    from cotserve.policies.sfi.paged import to_device
+    from cotserve.vllm.requests import RowRequest
+
+    dev = torch.device("cuda")
+    layers = [SimpleNamespace(kv_cache=torch.randn(700, 8, 16, 256, device=dev, dtype=torch.bfloat16))
+              for _ in range(2)]
+    g = GraphSFI(layers, 32, 8, 128, 0.088, torch.bfloat16, dev, slots=2, max_rows=4, rows=BatchRows())
+    cfg = SFIConfig(k=256, recent=64)
+    n = 3000
+    req = RowRequest(prompt_ids=list(range(n)), output_ids=[], sfi=cfg)
+    g.rows.rows[0] = req
+    blocks = torch.randperm(700, device=dev)[:200].view(1, -1).to(torch.int32)
+
+    def step(ntok: int, length: int):
+        cm = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, ntok]), block_table_tensor=blocks,
+                             seq_lens=torch.tensor([length], dtype=torch.int32, device=dev))
+        g.refresh_due(cm, 16)
+        return g.step(cm, 16)
+
+    step(n, n)  # admission warms the kernels up (compiling may synchronize)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(1, 6):  # the bootstrap's refresh, then fast and (forced) slow steps
+            req.output_ids.append(5)
+            if i == 3:
+                req.state.trigger.reset(-10**6)
+            step(1, n + i)
+        x = to_device([1, 2, 3], torch.int32, dev)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert x.tolist() == [1, 2, 3] and g.refreshes >= 1 and req.state.k_eff == 256
+
+
 def _compacted_positions(gen, n: int, first_tail: int, tail: int = 40) -> torch.Tensor:
     """True positions [L, HKV, n] of a compacted request's physical entries: per head, the sinks,
     then a sorted sample of older positions (what an eviction kept), then a tail of consecutive

@@ -27,7 +27,15 @@ import torch
 
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.sfi.config import SFIConfig
-from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, padded, ring_size, sfi_telemetry
+from cotserve.policies.sfi.paged import (
+    W_MAX,
+    PagedSFI,
+    SlotState,
+    padded,
+    ring_size,
+    sfi_telemetry,
+    to_device,
+)
 from cotserve.policies.sfi.trigger import RefreshTrigger
 from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
 from cotserve.vllm.telemetry import write_telemetry
@@ -92,8 +100,8 @@ class GraphSFI(PagedSFI):
             fa.copy_(cm.seq_lens, non_blocking=True)
             self.extra_writes = []
             return fa
-        # fresh (pageable) host tensors each step: their copies are staged at once, so a CPU that
-        # runs ahead of the GPU (async scheduling) never overwrites a pending transfer
+        # fresh host tensors each step, sent through pinned memory (`to_device`): a CPU that runs
+        # ahead of the GPU (async scheduling) neither waits for it nor overwrites a pending transfer
         # (built as lists and made tensors once: a small tensor per row costs more host time than the rest)
         host = [[0] * self.max_rows for _ in range(5)]  # mode, slot, token, window start, length per row
         whost = [[0] * self.nw, [self.slots] * self.nw, [0] * self.nw]  # ring writes: token, slot, ring index
@@ -167,7 +175,7 @@ class GraphSFI(PagedSFI):
                 read = min(st.k_eff + min(st.cfg.sinks, phys), ws) + (phys - ws)
                 st.retained_sum += min(1.0, read / phys)
         self.any_sfi = any_sfi
-        host_t = torch.tensor(host, dtype=torch.int32)
+        host_t = to_device(host, torch.int32, self.device)  # one transfer; the GPU is never waited for
         for t, src in zip((self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len), host_t,
                           strict=True):
             t.copy_(src, non_blocking=True)
@@ -175,7 +183,7 @@ class GraphSFI(PagedSFI):
             self.row_cws.copy_(self.row_ws.view(1, -1, 1).expand_as(self.row_cws))
             for i, cut in cuts:
                 self.row_cws[:, i] = cut
-        whost_t = torch.tensor(whost, dtype=torch.long)
+        whost_t = to_device(whost, torch.long, self.device)
         self.w_tok.copy_(whost_t[0], non_blocking=True)
         self.w_slot.copy_(whost_t[1], non_blocking=True)
         self.w_idx.copy_(whost_t[2], non_blocking=True)

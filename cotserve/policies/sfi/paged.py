@@ -40,6 +40,20 @@ from cotserve.policies.sfi.selection import select_from_evidence
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list, nested lists or a CPU tensor) on `device` without waiting for the GPU.
+
+    A copy from pageable host memory synchronizes the stream first: the host would wait for every
+    queued kernel, the step vLLM's asynchronous scheduling has in flight included, and its next step
+    would no longer be planned while the GPU runs this one. On CUDA the values go through pinned
+    memory instead; PyTorch's caching host allocator records the copy's event and reuses that block
+    only after the copy ran, so a fresh tensor per step is safe however far the host runs ahead."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.to(dtype).pin_memory().to(device, non_blocking=True)
+    return t.to(device=device, dtype=dtype)
+
+
 def padded(*shape: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """An uninitialized tensor of `shape` whose rows are allocated to a multiple of 16 entries: the
     strides the refresh kernels see are then multiples of 16 whatever the length, so Triton
@@ -179,9 +193,9 @@ class PagedSFI:
             st.refresh_n = st.refresh_hi = 0
             st.refresh_pos = st.refresh_blocks = None
         dev = self.device
-        row_pos = torch.tensor(rp, device=dev)
-        ridx = torch.tensor(idx, device=dev)
-        slots = torch.tensor([st.slot for st in states], device=dev)
+        row_pos = to_device(rp, torch.long, dev)
+        ridx = to_device(idx, torch.long, dev)
+        slots = to_device([st.slot for st in states], torch.long, dev)
         pos = torch.arange(n, device=dev)
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
         fused = fused_supported(cfg) and tpos is None  # the fused selector's prior reads indices as positions
