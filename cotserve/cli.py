@@ -332,9 +332,15 @@ AsyncSchedOpt = Annotated[bool | None, typer.Option("--async-scheduling/--no-asy
                                                     "asynchronous scheduling (default: vLLM's, on where the "
                                                     "platform supports it). Eviction and steering requests need it "
                                                     "off; while it is on they get a 400.", show_default=False)]
-PrefixCacheOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="vllm: "
-                                              "share KV blocks of common prompt prefixes (dense and SFI traffic); "
-                                              "eviction and steering requests then get a 400.")]
+PrefixCacheOpt = Annotated[bool | None, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
+                                                     help="vllm: share KV blocks of common prompt prefixes "
+                                                     "(default: on where asynchronous scheduling is on, as in "
+                                                     "`vllm serve`; off where the engine schedules synchronously, "
+                                                     "so eviction can run). Dense requests read cached prefixes; "
+                                                     "SFI requests compute their whole prompt and cache it; "
+                                                     "eviction and steering requests need it off (with "
+                                                     "--no-async-scheduling) and get a 400 while it is on.",
+                                                     show_default=False)]
 KVDtypeOpt = Annotated[str | None, typer.Option("--kv-cache-dtype", help="vllm: KV cache dtype (auto, fp8, ...; "
                                                 "default: vLLM's).")]
 QuantOpt = Annotated[str | None, typer.Option("--quantization", help="vllm: weight quantization method "
@@ -374,7 +380,7 @@ def _max_batch(max_batch: int | None, scheduler: str, engine: str) -> int | None
 def _vllm_options(engine: str, tensor_parallel_size: int, max_model_len: int | None,
                   gpu_memory_utilization: float | None, max_num_seqs: int | None, enforce_eager: bool,
                   pipeline_parallel_size: int = 1, max_num_batched_tokens: int | None = None,
-                  async_scheduling: bool | None = None, enable_prefix_caching: bool = False,
+                  async_scheduling: bool | None = None, enable_prefix_caching: bool | None = None,
                   kv_cache_dtype: str | None = None, quantization: str | None = None,
                   vllm_arg: list[str] | None = None) -> dict:
     """The VLLMOptions fields of the vLLM options; `--vllm-arg` pairs are checked against vLLM's
@@ -468,7 +474,7 @@ def serve(
     pipeline_parallel_size: PPOpt = 1,
     max_num_batched_tokens: BatchedTokensOpt = None,
     async_scheduling: AsyncSchedOpt = None,
-    enable_prefix_caching: PrefixCacheOpt = False,
+    enable_prefix_caching: PrefixCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
     quantization: QuantOpt = None,
     vllm_arg: VLLMArgOpt = None,
@@ -557,7 +563,7 @@ def worker(
     pipeline_parallel_size: PPOpt = 1,
     max_num_batched_tokens: BatchedTokensOpt = None,
     async_scheduling: AsyncSchedOpt = None,
-    enable_prefix_caching: PrefixCacheOpt = False,
+    enable_prefix_caching: PrefixCacheOpt = None,
     kv_cache_dtype: KVDtypeOpt = None,
     quantization: QuantOpt = None,
     vllm_arg: VLLMArgOpt = None,

@@ -381,21 +381,27 @@ def test_a_context_too_short_to_skip_decodes_densely_then_selects(setup):
 
 
 def test_an_engine_without_sfi_slots_decodes_sfi_densely_and_reserves_nothing(monkeypatch):
-    """With prefix caching on no request runs SFI: the CUDA engine makes no SFI slot (its compact
-    buffers are one small unused slot) and reserves no working memory for refreshes; a request
-    that still asks for SFI decodes densely, and the fast kernel's pointers stay valid."""
+    """In a plain `vllm serve` with prefix caching on no request runs SFI (it may read a cached
+    prefix): the CUDA engine makes no SFI slot (its compact buffers are one small unused slot) and
+    reserves no working memory for refreshes; a request that still asks for SFI decodes densely,
+    and the fast kernel's pointers stay valid. Started by cotserve, SFI requests compute their whole
+    prompt, so the slots are made beside prefix caching."""
+    from types import SimpleNamespace as NS
+
     from cotserve.policies.sfi.paged import REFRESH_FLOATS
     from cotserve.vllm import gpu_memory
     from cotserve.vllm.requests import RowRequest
 
     monkeypatch.delenv("COTSERVE_VLLM_SFI_SLOTS", raising=False)
     monkeypatch.delenv("COTSERVE_VLLM_SCRATCH_MIB", raising=False)
-    assert gpu_memory.sfi_slots(256, prefix_caching=True) == 0
-    assert gpu_memory.sfi_slots(16, prefix_caching=False) == 16
-    assert gpu_memory.sfi_slots(256, prefix_caching=False) == 64
+    ours = gpu_memory.started_by_cotserve(NS(additional_config={gpu_memory.COTSERVE_CONFIG: {"engine": True}}))
+    assert ours and not gpu_memory.started_by_cotserve(NS(additional_config={}))
+    assert gpu_memory.sfi_slots(256, prefix_caching=True, by_cotserve=False) == 0
+    assert gpu_memory.sfi_slots(256, prefix_caching=True, by_cotserve=True) == 64
+    assert gpu_memory.sfi_slots(16, prefix_caching=False, by_cotserve=False) == 16
     monkeypatch.setenv("COTSERVE_VLLM_SFI_SLOTS", "8")
-    assert gpu_memory.sfi_slots(256, prefix_caching=False) == 8
-    assert gpu_memory.sfi_slots(256, prefix_caching=True) == 0  # nothing to serve it with
+    assert gpu_memory.sfi_slots(256, prefix_caching=False, by_cotserve=False) == 8
+    assert gpu_memory.sfi_slots(256, prefix_caching=True, by_cotserve=False) == 0  # nothing to serve it with
     assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=False, evict=False) == 0
     assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=True, evict=False) == 8 * REFRESH_FLOATS
     assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=False, evict=True) > 0

@@ -59,26 +59,33 @@ def test_combinations_that_stay_refused():
         _ask("rkv+sfi", "cpu", **{"rkv.window": 32})
 
 
-@pytest.mark.parametrize("policy", ["sfi", "skipkv+sfi"])
-def test_sfi_is_refused_while_prefix_caching_is_on(policy):
-    """A prefix-cache hit skips the prompt's query rows SFI's bootstrap selects from: the engine's
-    own check (VLLMEngine.check_policy, on an engine's settings) refuses SFI then, dense passes."""
+def test_sfi_is_served_beside_prefix_caching_and_computes_its_whole_prompt():
+    """With prefix caching on, cotserve's engine serves SFI (check_policy passes it; eviction is
+    refused there as before): its requests skip reading the prefix cache, so SFI's bootstrap sees
+    the prompt's own last query rows; dense requests read cached prefixes."""
     from types import SimpleNamespace
 
+    from cotserve.engine.native import GenRequest
     from cotserve.policies.registry import build_policy
     from cotserve.vllm.engine import VLLMEngine
+    from cotserve.vllm.params import policy_extra_args, reads_whole_prompt, sampling_params
 
-    caching = SimpleNamespace(evicting=True, prefix_caching=True, async_scheduling=False, steering_vector=None)
-    with pytest.raises(PolicyError, match="prefix caching is on"):
-        VLLMEngine.check_policy(caching, build_policy(policy, {}))
+    caching = SimpleNamespace(evicting=False, prefix_caching=True, async_scheduling=True, steering_vector=None)
+    VLLMEngine.check_policy(caching, build_policy("sfi", {}))
     VLLMEngine.check_policy(caching, build_policy("dense", {}))
-    VLLMEngine.check_policy(SimpleNamespace(evicting=True, prefix_caching=False, async_scheduling=False,
-                                            steering_vector=None), build_policy(policy, {}))
+    with pytest.raises(PolicyError, match="no-async-scheduling"):
+        VLLMEngine.check_policy(caching, build_policy("skipkv+sfi", {}))
+    req = GenRequest(request_id="r", prompt_ids=[1, 2, 3])
+    for policy, whole in (("sfi", True), ("skipkv+sfi", True), ("dense", False), ("skipkv", False)):
+        extra = policy_extra_args(build_policy(policy, {}))
+        assert reads_whole_prompt(extra) is whole
+        assert sampling_params(req, extra, 64).skip_reading_prefix_cache is whole
 
 
 def test_a_plain_vllm_with_prefix_caching_decodes_sfi_densely(caplog):
     """In a vLLM started with prefix caching on (vllm serve's default), the row tracker hands an
-    SFI request to the backends as dense (with one warning), never as SFI over skipped queries."""
+    SFI request that may read a cached prefix to the backends as dense (with one warning), never as
+    SFI over skipped queries; one that computes its whole prompt (as cotserve's are) runs SFI."""
     from types import SimpleNamespace
 
     import torch
@@ -96,4 +103,7 @@ def test_a_plain_vllm_with_prefix_caching_decodes_sfi_densely(caplog):
         tracker.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
                                          added=[(0, params, [1, 2, 3], []), (1, params, [4, 5], [])]))
         assert all((r.sfi is None) == caching for r in tracker.rows.rows.values())
+        whole = SamplingParams(max_tokens=4, extra_args={"cotserve_policy": "sfi"}, skip_reading_prefix_cache=True)
+        tracker.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=[(2, whole, [1, 2, 3], [])]))
+        assert tracker.rows.rows[2].sfi is not None
     assert sum("prefix caching is on" in r.message for r in caplog.records) == 1

