@@ -286,3 +286,22 @@ def test_claim_with_a_token_budget_matches_pick_group(queue, seed):
         assert len(got) == 1 or sum(need[j.id] for j in got) <= budget
         for j in got:
             del remaining[j.id]
+
+
+def test_claims_follow_priority_then_arrival(queue):
+    """Lower priority values are claimed first (vLLM's convention); equal ones in arrival order,
+    also for a job that returns to the queue after its worker was lost."""
+    t0 = time.time() - 100
+    jobs = {}
+    for name, prio, age in (("late-normal", 0, 10), ("urgent", -3, 5), ("early-normal", 0, 1), ("low", 5, 0),
+                            ("urgent-later", -3, 20)):
+        jobs[name] = submit(queue, Job(prompt_ids=[1, 2, 3], priority=prio, created=t0 + age,
+                                       options={"tag": name}))  # own policy keys: one job a claim
+    queue.heartbeat("w", ttl=60)
+    order = [queue.claim("w", 1, 0.0)[0].id for _ in range(3)]
+    names = {j.id: n for n, j in jobs.items()}
+    assert [names[i] for i in order] == ["urgent", "urgent-later", "early-normal"]
+    # a claimed job handed back keeps its place: before the normal job that came after it
+    queue.leave("w")
+    again = [names[queue.claim("w2", 1, 0.0)[0].id] for _ in range(5)]
+    assert again == ["urgent", "urgent-later", "early-normal", "late-normal", "low"]

@@ -1,12 +1,13 @@
 """OpenAI / vLLM request fields a client relies on: each is honoured (penalties, min_p, min_tokens,
 stop_token_ids, logit_bias, chat_template_kwargs; constrained output on the vLLM engine) or refused
 with a 400 naming it (response_format JSON modes, structured_outputs and guided_* on the native
-engine, best_of other than n, priority other than 0). The
+engine, best_of other than n, a priority beyond +-1000000; priority orders the queue). The
 native engine is driven over HTTP (gateway + in-process queue + worker thread); the sampler's
 functions against hand computations; vLLM's side through the `SamplingParams` it is given."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 import time
@@ -186,8 +187,8 @@ REFUSED = [
     ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
     ({"best_of": 2}, "best_of"),
     ({"best_of": 0}, "best_of"),
-    ({"priority": 1}, "priority"),
-    ({"priority": -5}, "priority"),
+    ({"priority": 10**7}, "priority"),
+    ({"priority": -(10**6) - 1}, "priority"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
@@ -276,6 +277,19 @@ def test_the_job_carries_the_fields_through_json(srv, engine, prompt):
     assert n == 1
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p,
             params.min_tokens, params.stop_token_ids, params.logit_bias) == (0.5, 0.25, 1.3, 0.1, 2, [7], {11: -100.0})
+
+
+def test_priority_goes_with_the_job_and_is_served(srv, engine):
+    """A request's priority travels with its job (the queue claims by it: tests/test_queue.py) and a
+    prioritised request is served like any other."""
+    from cotserve.gateway.jobs import JobFactory
+    from cotserve.gateway.schemas import ChatCompletionRequest
+
+    factory = JobFactory(GatewaySettings(model_name=MODEL), PromptBuilder(engine.tokenizer, 2048))
+    job, _ = asyncio.run(factory.chat_job(ChatCompletionRequest(model=MODEL, priority=-2, max_tokens=2,
+                                                                messages=[{"role": "user", "content": "hi"}])))
+    assert Job.from_json(job.to_json()).priority == -2
+    assert chat(srv, max_tokens=2, priority=-2)["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 @pytest.mark.parametrize("patch,spec,field", [

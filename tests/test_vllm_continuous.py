@@ -155,7 +155,9 @@ def test_each_finished_request_names_its_policy(engine):
     q.heartbeat("w-vp", 60)
     w = ContinuousWorker(engine, q, worker_id="w-vp", max_wait=0.0)
     ids = engine.tokenizer.encode("Explain rain.")
-    jobs = [Job(prompt_ids=ids, sampling={"max_tokens": 6, "temperature": 0.0}, policy=p) for p in ("dense", "sfi")]
+    # a priority other than 0 is the queue's to order by: vLLM's first-come scheduler never sees it
+    jobs = [Job(prompt_ids=ids, sampling={"max_tokens": 6, "temperature": 0.0}, policy=p, priority=3)
+            for p in ("dense", "sfi")]
     for j in jobs:
         asyncio.run(q.submit(j, 64))
     out = _serve(w, q, jobs)

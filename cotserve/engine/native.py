@@ -71,6 +71,7 @@ class GenRequest:
     # greedy choice at each step is still recorded in Completion.greedy_ids
     forced_ids: list[int] | None = None
     record_logprobs: bool = False  # keep each step's log-softmax row (float32) in Completion.logprobs
+    priority: int = 0  # the job's priority (lower first): vLLM's scheduler takes it when it runs priorities
 
 
 @dataclass

@@ -4,9 +4,9 @@
 split) and returns OpenAI's legacy `text_completion` object, whole or as SSE chunks. Supported:
 max_tokens (default: the rest of the context), temperature, top_p, top_k, min_p, seed, stop,
 stop_token_ids, min_tokens, presence/frequency/repetition penalties, logit_bias, n, logprobs
-(0..20, OpenAI's legacy form), stream with include_usage, ignore_eos and the `cotserve` policy
-object. Not supported, with a 400 naming the field: echo, suffix, best_of other than n, priority
-other than 0, response_format other than text, structured_outputs / guided_*, chat_template_kwargs,
+(0..20, OpenAI's legacy form), stream with include_usage, ignore_eos, priority and the `cotserve` policy
+object. Not supported, with a 400 naming the field: echo, suffix, best_of other than n, a priority
+beyond +-1000000, response_format other than text, structured_outputs / guided_*, chat_template_kwargs,
 several prompts in one request.
 """
 
@@ -136,7 +136,7 @@ def install(app: FastAPI, rt: Runtime) -> None:
         ids = prompt_ids(body, tok)
         policy, options = rt.jobs.policy_of(body.cotserve)
         sampling = rt.jobs.sampling_of(body, len(ids), body.max_tokens, "max_tokens", body.logprobs, "prompt")
-        job = rt.jobs.new_job(ids, sampling, policy, options, prefix="cmpl-")
+        job = rt.jobs.new_job(ids, sampling, policy, options, prefix="cmpl-", priority=body.priority)
         job.client_request_id = request_id_of(request)
         n = sampling["n"]
         await rt.relay.submit(job)

@@ -20,7 +20,7 @@ from cotserve.gateway.schemas import ChatCompletionRequest
 from cotserve.gateway.tools import get_tool_parser
 from cotserve.policies.options import OptionError, server_only_keys, validate_spec
 from cotserve.policies.served import check_served
-from cotserve.queue.base import Job
+from cotserve.queue.base import PRIORITY_LIMIT, Job
 from cotserve.structured import STRUCTURED_KINDS
 
 if TYPE_CHECKING:
@@ -129,14 +129,14 @@ def structured_of(body, served: bool) -> tuple[dict[str, Any] | None, str | None
 
 
 def refuse_unserved(body) -> None:
-    """400 naming the first field asked for that this server does not do: best_of other than n,
-    priority other than 0 (constrained output: `structured_of`)."""
+    """400 naming the first field asked for that this server does not do: best_of other than n, a
+    priority beyond +-PRIORITY_LIMIT (constrained output: `structured_of`)."""
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise APIError(400, "best_of is not supported beyond n (give best_of equal to n, or leave it out)",
                        param="best_of", code="invalid_value")
-    if body.priority not in (None, 0):
-        raise APIError(400, "priority is not supported: requests are served in arrival order (give 0 or "
-                       "leave it out)", param="priority", code="invalid_value")
+    if body.priority is not None and abs(body.priority) > PRIORITY_LIMIT:
+        raise APIError(400, f"priority must be within +-{PRIORITY_LIMIT} (lower is served earlier)",
+                       param="priority", code="invalid_value")
 
 
 def template_kwargs(value: dict[str, Any] | None) -> dict[str, Any]:
@@ -265,8 +265,9 @@ class JobFactory:
         return out
 
     def new_job(self, ids: list[int], sampling: dict[str, Any], policy: str, options: dict[str, Any],
-                prefix: str = "chatcmpl-") -> Job:
-        job = Job(prompt_ids=ids, sampling=sampling, policy=policy, options=options)
+                prefix: str = "chatcmpl-", priority: int | None = None) -> Job:
+        priority = int(priority or 0)
+        job = Job(prompt_ids=ids, sampling=sampling, policy=policy, options=options, priority=priority)
         job.id = prefix + job.id.partition("-")[2]
         if self.settings.queue_timeout:
             job.deadline = job.created + self.settings.queue_timeout
@@ -298,4 +299,4 @@ class JobFactory:
         sampling = self.sampling_of(body, len(ids), asked,
                                     "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
                                     plan.top_logprobs if body.logprobs else None, "messages")
-        return self.new_job(ids, sampling, policy, options), plan
+        return self.new_job(ids, sampling, policy, options, priority=body.priority), plan

@@ -116,8 +116,10 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = Field(None, description="JSON modes: honoured on --engine vllm, "
                                                    "refused (400) on the native engine.")
     best_of: StrictInt | None = Field(None, ge=1, description="Only equal to n (or null); more is refused (400).")
-    priority: StrictInt | None = Field(None, description="Extension (as in vLLM): only 0 (or null); scheduling "
-                                       "priorities are refused (400).")
+    priority: StrictInt | None = Field(None, description="Extension (as in vLLM): lower is served earlier (the "
+                                       "queue claims by priority, then arrival; on --engine vllm started with "
+                                       "scheduling_policy=priority, vLLM's scheduler takes it too). Within "
+                                       "+-1000000; default 0.")
     structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's structured outputs: one of json, "
                                                       "json_object, regex, choice, grammar; honoured on --engine "
                                                       "vllm, refused (400) on the native engine.")

@@ -57,6 +57,7 @@ class Job:
     created: float = field(default_factory=time.time)
     deadline: float | None = None  # unix time after which a job not yet started is dropped (503)
     client_request_id: str | None = None  # the client's X-Request-Id (in both sides' log lines)
+    priority: int = 0  # lower is claimed earlier (vLLM's convention); equal priorities in arrival order
     attempts: int = 0  # set by the queue at claim time (1 = first run)
     claimed_at: float = 0.0
 
@@ -83,6 +84,17 @@ class Job:
     def from_json(cls, text: str, attempts: int = 0, claimed_at: float = 0.0) -> Job:
         d = json.loads(text)
         return cls(**d, attempts=attempts, claimed_at=claimed_at)
+
+
+# priorities a request may give (`Job.priority`): the Redis queue orders its pending jobs by
+# enqueue time + priority x PRIORITY_SPAN seconds, which keeps arrival order within a priority
+PRIORITY_LIMIT = 1_000_000
+PRIORITY_SPAN = 1e9
+
+
+def pending_rank(job: Job) -> float:
+    """A pending job's place in the claim order (smaller first): its priority, then its arrival."""
+    return job.created + job.priority * PRIORITY_SPAN
 
 
 # SamplingParams.max_tokens's default (cotserve.engine.sampling, which needs torch): the length a

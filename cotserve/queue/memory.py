@@ -95,7 +95,8 @@ class InProcessQueue(JobQueue):
         with self._lock:
             if not self._pending:
                 return []
-            oldest_id = min(self._pending, key=lambda j: (self._pending[j], j))
+            # the first in priority order (lower first, then the oldest), as the Redis queue orders it
+            oldest_id = min(self._pending, key=lambda j: (self._jobs[j].job.priority, self._pending[j], j))
             oldest = self._jobs[oldest_id].job
             same = [(j, self._jobs[j].job.prompt_len) for j in self._pending
                     if j != oldest_id and self._jobs[j].job.key == oldest.key]

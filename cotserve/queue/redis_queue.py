@@ -4,7 +4,8 @@ heartbeats (ARCHITECTURE.md). Every multi-key change is one Lua script, so it is
 Keys (all under `prefix`, default "cotserve:"):
   job:{id}           hash: spec (Job JSON), state, pkey, len, need (`kv_need`), enq, worker, attempts,
                      claimed_at, cancel
-  pending            sorted set: id -> enqueue time (finds the oldest waiting job)
+  pending            sorted set: id -> rank, enqueue time + priority x PRIORITY_SPAN (finds the first
+                     waiting job: the lowest priority value, then the oldest)
   pending:{pkey}     sorted set per policy key: id -> prompt length (finds its length neighbours)
   out:{id}           stream: the job's events
   hb:{worker}        a key with a TTL: the worker's heartbeat
@@ -33,19 +34,19 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable, kv_need
+from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable, kv_need, pending_rank
 
 SUBMIT = """
 local prefix, id, len, enq, maxp, spec, pkey = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
 if redis.call('ZCARD', prefix .. 'pending') >= maxp then return 0 end
 redis.call('HSET', prefix .. 'job:' .. id, 'spec', spec, 'state', 'pending', 'pkey', pkey, 'len', len,
-           'need', ARGV[8], 'enq', enq, 'attempts', 0)
-redis.call('ZADD', prefix .. 'pending', enq, id)
+           'need', ARGV[8], 'enq', enq, 'rank', ARGV[9], 'attempts', 0)
+redis.call('ZADD', prefix .. 'pending', ARGV[9], id)
 redis.call('ZADD', prefix .. 'pending:' .. pkey, len, id)
 return 1
 """
 
-# The oldest waiting job plus up to B-1 others of its policy key closest to it in prompt length
+# The first waiting job (by rank: priority, then age) plus up to B-1 others of its policy key closest to it in prompt length
 # (ties to the shorter one), claimed in one step. ARGV[7] is a KV token budget (-1: none): the
 # group then ends at the first neighbour whose `need` no longer fits (the oldest job is always
 # taken; a job without `need` counts its length). Returns {} (nothing / still filling) or
@@ -55,7 +56,8 @@ local prefix, B, now, maxwait, wid = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3
 local budget = tonumber(ARGV[7])
 local oldest = redis.call('ZRANGE', prefix .. 'pending', 0, 0, 'WITHSCORES')
 if #oldest == 0 then return {} end
-local oid, ots = oldest[1], tonumber(oldest[2])
+local oid = oldest[1]
+local ots = tonumber(redis.call('HGET', prefix .. 'job:' .. oid, 'enq')) or tonumber(oldest[2])
 local pkey = redis.call('HGET', prefix .. 'job:' .. oid, 'pkey')
 if not pkey then
   redis.call('ZREM', prefix .. 'pending', oid)
@@ -168,7 +170,7 @@ for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'claimed:' .. wid)) do
     else
       local pkey = redis.call('HGET', k, 'pkey')
       redis.call('HSET', k, 'state', 'pending', 'worker', '')
-      redis.call('ZADD', prefix .. 'pending', redis.call('HGET', k, 'enq'), id)
+      redis.call('ZADD', prefix .. 'pending', redis.call('HGET', k, 'rank') or redis.call('HGET', k, 'enq'), id)
       redis.call('ZADD', prefix .. 'pending:' .. pkey, redis.call('HGET', k, 'len'), id)
       table.insert(out, id)
     end
@@ -195,7 +197,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', prefix .. 'leases', '-inf', now)
       redis.call('EXPIRE', k, ttl)
     else
       redis.call('HSET', k, 'state', 'pending', 'worker', '')
-      redis.call('ZADD', prefix .. 'pending', redis.call('HGET', k, 'enq'), id)
+      redis.call('ZADD', prefix .. 'pending', redis.call('HGET', k, 'rank') or redis.call('HGET', k, 'enq'), id)
       redis.call('ZADD', prefix .. 'pending:' .. redis.call('HGET', k, 'pkey'), redis.call('HGET', k, 'len'), id)
       table.insert(out, id)
     end
@@ -264,7 +266,8 @@ class RedisQueue(JobQueue):
         self._a()
         try:
             ok = await self._ascripts["submit"](args=[self.prefix, job.id, job.prompt_len, job.created,
-                                                       max_pending, job.to_json(), job.key, kv_need(job)])
+                                                       max_pending, job.to_json(), job.key, kv_need(job),
+                                                       pending_rank(job)])
         except (redis.RedisError, OSError) as exc:
             raise QueueUnavailable(f"redis: {exc}") from exc
         if not ok:

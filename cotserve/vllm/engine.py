@@ -272,6 +272,16 @@ class VLLMEngine:
             raise PolicyError("this vllm engine has no steering vector: none is shipped for its model; build one "
                               "with `cotserve build-steering` and start it with $COTSERVE_VLLM_STEERING_VECTOR set")
 
+    @property
+    def priority_scheduling(self) -> bool:
+        """vLLM's scheduler orders by priority (started with `--vllm-arg scheduling_policy=priority`)."""
+        return getattr(self.vllm_config.scheduler_config, "policy", "fcfs") == "priority"
+
+    def priority_of(self, req: GenRequest) -> int:
+        """The priority vLLM gets for a request: its own under priority scheduling, else 0 (vLLM's
+        first-come scheduler refuses any other; the queue has claimed jobs by priority already)."""
+        return int(req.priority) if self.priority_scheduling else 0
+
     def _params(self, req: GenRequest, extra: dict[str, Any] | None):
         return sampling_params(req, extra, self.max_positions, seeds=self.seeds_supported)
 
@@ -299,7 +309,7 @@ class VLLMEngine:
         async def consume(req: GenRequest) -> None:
             try:
                 async for out in self.llm.generate({"prompt_token_ids": req.prompt_ids}, self._params(req, extra),
-                                                   request_id=vids[req.request_id]):
+                                                   request_id=vids[req.request_id], priority=self.priority_of(req)):
                     out_q.put((req.request_id, out))
             except Exception as exc:  # surfaced to the worker, which answers that request with an error
                 out_q.put((req.request_id, exc))

@@ -161,7 +161,7 @@ class VLLMPool:
     async def _consume(self, fl: _Flight, params) -> None:
         try:
             async for out in self.engine.llm.generate({"prompt_token_ids": fl.req.prompt_ids}, params,
-                                                      request_id=fl.vid):
+                                                      request_id=fl.vid, priority=self.engine.priority_of(fl.req)):
                 self._out.put((fl.req.request_id, out))
         except Exception as exc:  # this request alone fails; the worker answers it with an error
             self._out.put((fl.req.request_id, exc))

@@ -422,7 +422,8 @@ class Worker:
                 params.seed = (params.seed + i) % (1 << 64)
             rid = job.id if n == 1 else f"{job.id}/{i}"
             forced = self.replay.tokens(rid, params.max_tokens) if self.replay is not None else None
-            copies.append(GenRequest(list(job.prompt_ids), params, request_id=rid, forced_ids=forced))
+            copies.append(GenRequest(list(job.prompt_ids), params, request_id=rid, forced_ids=forced,
+                                     priority=job.priority))
         return copies
 
     def _run_same_policy(self, jobs: list[Job], resume_all: bool = False) -> None:
