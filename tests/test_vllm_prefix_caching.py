@@ -61,14 +61,18 @@ def _sfi_lines(engine) -> list[dict]:
 
 def test_dense_reads_cached_prefixes_and_sfi_computes_its_whole_prompt(engine):
     assert engine.prefix_caching and not engine.evicting
+    assert engine.vllm_config.scheduler_config.scheduler_cls.endswith("TelemetryScheduler")
     text = " ".join(f"Step {i}: the sum of the first {i} odd numbers is {i * i}." for i in range(1, 16))
     prompt = engine.tokenizer.encode(text)
     assert len(prompt) > 150
 
+    results = []
+
     def ask(i: int, policy: str, options=None) -> str:
         req = GenRequest(request_id=f"pc{i}", prompt_ids=prompt,
                          sampling=SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-        return engine.generate([req], policy, options)[0].text
+        results.append(engine.generate([req], policy, options)[0])
+        return results[-1].text
 
     dense = ask(0, "dense")  # its blocks go to the cache
     before = _settled(engine)
@@ -86,6 +90,12 @@ def test_dense_reads_cached_prefixes_and_sfi_computes_its_whole_prompt(engine):
     assert len(lines) == 2  # both ran SFI (a request sent to the dense path writes no SFI line)
     assert all(t["sfi_slow_steps"] >= 2 and t["sfi_selected_per_head"] == 32 for t in lines)
     assert sfi[0] == sfi[1]  # the same prompt rows for the first selection: the same greedy text
+    # the scheduler (vLLM's, with cotserve's telemetry) reports each SFI response's steps, as the runtime counted them
+    for res, line in zip(results[2:4], lines, strict=True):
+        tele = res.telemetry
+        assert tele["policy"] == "sfi" and tele["sfi_steps"] == 23 == line["sfi_steps"], tele
+        assert tele["sfi_slow_steps"] == line["sfi_slow_steps"], (tele, line)
+    assert "sfi_steps" not in results[0].telemetry
 
 
 def test_a_waiting_request_of_lower_priority_value_starts_first(engine):

@@ -42,6 +42,9 @@ from cotserve.vllm.requests import request_policy_of
 
 # vLLM's scheduler plus the block side of physical eviction (`scheduler.py`)
 EVICTING_SCHEDULER = "cotserve.vllm.scheduler.EvictingScheduler"
+# vLLM's schedulers plus SFI's step telemetry, where eviction is not served
+TELEMETRY_SCHEDULERS = {False: "cotserve.vllm.scheduler.TelemetryScheduler",
+                        True: "cotserve.vllm.scheduler.TelemetryAsyncScheduler"}
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +216,8 @@ class VLLMEngine:
         if not sc.async_scheduling and not cfg.cache_config.enable_prefix_caching \
                 and getattr(cfg, "speculative_config", None) is None:
             sc.scheduler_cls = EVICTING_SCHEDULER
+        elif sc.scheduler_cls is None:  # vLLM's own, plus SFI's telemetry in finished outputs
+            sc.scheduler_cls = TELEMETRY_SCHEDULERS[bool(sc.async_scheduling)]
         return cfg
 
     @staticmethod

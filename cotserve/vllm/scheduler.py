@@ -1,4 +1,12 @@
-"""`EvictingScheduler`: vLLM's scheduler, plus the block side of physical KV eviction.
+"""cotserve's schedulers: vLLM's, plus what a request's policy needs of the scheduler.
+
+`TelemetryScheduler` / `TelemetryAsyncScheduler` (vLLM's synchronous and asynchronous schedulers,
+selected by `cotserve serve --engine vllm` wherever eviction is not served) add one thing: a
+finished SFI request's decode and slow steps in its output's `kv_transfer_params["cotserve"]`
+(`thought_telemetry.sfi_step_telemetry`, the runtime's trigger run over its tokens), so every SFI
+response carries them, also with asynchronous scheduling.
+
+`EvictingScheduler`: vLLM's scheduler, plus the block side of physical KV eviction.
 
 Selected with vLLM's `scheduler_cls` (`cotserve serve --engine vllm` sets it;
 `--scheduler-cls cotserve.vllm.scheduler.EvictingScheduler` for a vLLM server of your own).
@@ -20,6 +28,7 @@ import logging
 import os
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from cotserve.errors import CotserveError
@@ -44,6 +53,63 @@ def check_config(cfg) -> None:
     if getattr(cfg, "speculative_config", None) is not None:
         raise ValueError("cotserve's EvictingScheduler does not run with speculative decoding (a compaction is "
                          "scheduled on one-token decode steps)")
+
+
+class _SFITelemetry:
+    """A scheduler mixin: each finished SFI request's step telemetry in its output (module
+    docstring). Requests are parsed once, when they are added; the ones that never finish here
+    (aborted) are dropped as their number grows."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sfi_requests: dict[str, tuple[Any, Any]] = {}  # request id -> (its SFIConfig, the request)
+        self._sfi_tok: Any = False  # loaded on first use (None: none available)
+
+    def add_request(self, request) -> None:
+        super().add_request(request)  # type: ignore[misc]
+        try:
+            pol = request_policy_of(request.sampling_params.extra_args if request.sampling_params else None)
+        except CotserveError:  # refused when it arrived; never reached in practice
+            return
+        if pol.sfi is None:
+            return
+        reqs, live = self._sfi_requests, self.requests  # type: ignore[attr-defined]
+        reqs[request.request_id] = (pol.sfi, request)
+        if len(reqs) > 2 * len(live) + 64:
+            for gone in [r for r in reqs if r not in live]:
+                reqs.pop(gone)
+
+    def update_from_output(self, *args: Any, **kwargs: Any):
+        outs = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        reqs = self._sfi_requests
+        if not reqs:
+            return outs
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is None or o.request_id not in reqs:
+                    continue
+                cfg, request = reqs.pop(o.request_id)
+                tele = sfi_step_telemetry(self._tokenizer_for_sfi(), cfg, list(request.prompt_token_ids or []),
+                                          list(request.output_token_ids))
+                prev = (o.kv_transfer_params or {}).get("cotserve") or {}
+                o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": {**prev, **tele}}
+        return outs
+
+    def _tokenizer_for_sfi(self):
+        if self._sfi_tok is False:
+            from cotserve.vllm.runtime_access import model_tokenizer
+
+            self._sfi_tok = model_tokenizer(self.vllm_config.model_config,  # type: ignore[attr-defined]
+                                            "SFI's sentence boundaries in its telemetry")
+        return self._sfi_tok
+
+
+class TelemetryScheduler(_SFITelemetry, Scheduler):
+    """vLLM's scheduler, plus SFI's step telemetry in finished outputs."""
+
+
+class TelemetryAsyncScheduler(_SFITelemetry, AsyncScheduler):
+    """vLLM's asynchronous scheduler, plus SFI's step telemetry in finished outputs."""
 
 
 class EvictingScheduler(Scheduler):
