@@ -89,18 +89,19 @@ class _SFITelemetry:
                 if o.finish_reason is None or o.request_id not in reqs:
                     continue
                 cfg, request = reqs.pop(o.request_id)
-                tele = sfi_step_telemetry(self._tokenizer_for_sfi(), cfg, list(request.prompt_token_ids or []),
+                tele = sfi_step_telemetry(self._model_tokenizer(), cfg, list(request.prompt_token_ids or []),
                                           list(request.output_token_ids))
                 prev = (o.kv_transfer_params or {}).get("cotserve") or {}
                 o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": {**prev, **tele}}
         return outs
 
-    def _tokenizer_for_sfi(self):
+    def _model_tokenizer(self):
+        """The model's tokenizer (sentence boundaries, thoughts), loaded on first use; None without one."""
         if self._sfi_tok is False:
             from cotserve.vllm.runtime_access import model_tokenizer
 
             self._sfi_tok = model_tokenizer(self.vllm_config.model_config,  # type: ignore[attr-defined]
-                                            "SFI's sentence boundaries in its telemetry")
+                                            "the sentence boundaries and thoughts of the telemetry")
         return self._sfi_tok
 
 
@@ -112,7 +113,7 @@ class TelemetryAsyncScheduler(_SFITelemetry, AsyncScheduler):
     """vLLM's asynchronous scheduler, plus SFI's step telemetry in finished outputs."""
 
 
-class EvictingScheduler(Scheduler):
+class EvictingScheduler(_SFITelemetry, Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cfg = kwargs.get("vllm_config", args[0] if args else None)
         if cfg is not None:
@@ -127,7 +128,6 @@ class EvictingScheduler(Scheduler):
         self._manager = groups[0]
         # request id -> (its RequestPolicy, the request) when it evicts or steers; None when it does neither
         self._policies: dict[str, tuple[Any, Any] | None] = {}
-        self._tokenizer: Any = False  # loaded on first use (None: none available)
         self._ledgers: dict[str, EvictionLedger] = {}
         self._block_stats: dict[str, dict[str, Any]] = {}
         self._recomputed: dict[str, int] = {}  # preempted and recomputed from scratch
@@ -171,7 +171,8 @@ class EvictingScheduler(Scheduler):
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         """vLLM's, plus each finished evicting or steered request's telemetry in its output's
-        `kv_transfer_params["cotserve"]` (the way to the client that vLLM's outputs offer)."""
+        `kv_transfer_params["cotserve"]` (the way to the client that vLLM's outputs offer), beside
+        an SFI request's steps."""
         outs = super().update_from_output(*args, **kwargs)
         for eco in outs.values():
             for o in eco.outputs:
@@ -180,18 +181,12 @@ class EvictingScheduler(Scheduler):
                 pol, request = self._policies.pop(o.request_id)  # vLLM has freed the request; we hold it
                 tele = self._finish(o.request_id) if o.request_id in self._ledgers else {}
                 tele.update(self._thoughts(request, pol))
-                if pol.sfi is not None:
-                    tele.update(sfi_step_telemetry(self._tokenizer, pol.sfi, list(request.prompt_token_ids or []),
-                                                   list(request.output_token_ids)))
-                o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": tele}
+                prev = (o.kv_transfer_params or {}).get("cotserve") or {}  # SFI's steps (`_SFITelemetry`)
+                o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": {**prev, **tele}}
         return outs
 
     def _thoughts(self, request, pol) -> dict[str, Any]:
-        if self._tokenizer is False:
-            from cotserve.vllm.runtime_access import model_tokenizer
-
-            self._tokenizer = model_tokenizer(self.vllm_config.model_config, "the thought counts of the telemetry")
-        return thought_telemetry(self._tokenizer, list(request.prompt_token_ids or []),
+        return thought_telemetry(self._model_tokenizer(), list(request.prompt_token_ids or []),
                                  list(request.output_token_ids), pol.evict, pol.steer)
 
     def _policy(self, req_id: str, request) -> Any:
