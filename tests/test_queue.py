@@ -305,3 +305,36 @@ def test_claims_follow_priority_then_arrival(queue):
     queue.leave("w")
     again = [names[queue.claim("w2", 1, 0.0)[0].id] for _ in range(5)]
     assert again == ["urgent", "urgent-later", "early-normal", "late-normal", "low"]
+
+
+def test_a_claimed_group_holds_one_priority(queue):
+    """The first job's neighbours in prompt length join its group only at its own priority: a
+    low-priority job is never claimed ahead of a more urgent one because its length is close."""
+    a = submit(queue, Job(prompt_ids=[1] * 100, priority=-10))
+    c = submit(queue, Job(prompt_ids=[1] * 500, priority=-9))
+    d = submit(queue, Job(prompt_ids=[1] * 101, priority=10_000))
+    queue.heartbeat("w", ttl=60)
+    groups = [[j.id for j in queue.claim("w", 2, 0.0)] for _ in range(3)]
+    assert groups == [[a.id], [c.id], [d.id]]
+
+
+def test_arrival_order_holds_at_the_priority_limit(queue):
+    """Within one priority, jobs 10 ms apart are claimed in arrival order, also at the limit
+    (the Redis rank's resolution there)."""
+    t0 = time.time()
+    for prio in (10_000, -10_000):
+        jobs = [submit(queue, Job(prompt_ids=[1, 2], priority=prio, created=t0 + i * 0.01, options={"i": i}))
+                for i in range(5)]
+        queue.heartbeat("w", ttl=60)
+        got = [queue.claim("w", 1, 0.0)[0].id for _ in jobs]
+        assert got == [j.id for j in jobs]
+
+
+def test_a_worker_reads_a_newer_gateways_jobs():
+    """Fields a worker does not know (a newer gateway's) are left out, not an error."""
+    import json
+
+    d = json.loads(Job(prompt_ids=[1, 2], priority=3).to_json())
+    d["a_later_field"] = {"x": 1}
+    job = Job.from_json(json.dumps(d))
+    assert job.prompt_ids == [1, 2] and job.priority == 3

@@ -1,7 +1,7 @@
 """OpenAI / vLLM request fields a client relies on: each is honoured (penalties, min_p, min_tokens,
 stop_token_ids, logit_bias, chat_template_kwargs; constrained output on the vLLM engine) or refused
 with a 400 naming it (response_format JSON modes, structured_outputs and guided_* on the native
-engine, best_of other than n, a priority beyond +-1000000; priority orders the queue). The
+engine, best_of other than n, a priority beyond +-10000; priority orders the queue). The
 native engine is driven over HTTP (gateway + in-process queue + worker thread); the sampler's
 functions against hand computations; vLLM's side through the `SamplingParams` it is given."""
 
@@ -188,7 +188,7 @@ REFUSED = [
     ({"best_of": 2}, "best_of"),
     ({"best_of": 0}, "best_of"),
     ({"priority": 10**7}, "priority"),
-    ({"priority": -(10**6) - 1}, "priority"),
+    ({"priority": -10_001}, "priority"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),

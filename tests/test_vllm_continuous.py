@@ -157,7 +157,7 @@ def test_each_finished_request_names_its_policy(engine):
     ids = engine.tokenizer.encode("Explain rain.")
     # a priority other than 0 is the queue's to order by: vLLM's first-come scheduler never sees it
     jobs = [Job(prompt_ids=ids, sampling={"max_tokens": 6, "temperature": 0.0}, policy=p, priority=3)
-            for p in ("dense", "sfi")]
+            for p in ("dense", "sfi", "skipkv+sfi")]  # a stack: its name, not its eviction part's
     for j in jobs:
         asyncio.run(q.submit(j, 64))
     out = _serve(w, q, jobs)

@@ -107,3 +107,14 @@ def test_a_plain_vllm_with_prefix_caching_decodes_sfi_densely(caplog):
         tracker.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=[(2, whole, [1, 2, 3], [])]))
         assert tracker.rows.rows[2].sfi is not None
     assert sum("prefix caching is on" in r.message for r in caplog.records) == 1
+
+
+def test_additional_config_must_be_an_object():
+    """cotserve adds its own key to vLLM's additional_config; another form is refused clearly."""
+    import torch
+
+    from cotserve.errors import ModelError
+    from cotserve.vllm.engine import VLLMEngine, VLLMOptions
+
+    with pytest.raises(ModelError, match="additional_config takes a JSON object"):
+        VLLMEngine._config("m", "auto", torch.device("cpu"), VLLMOptions(extra={"additional_config": "x"}))

@@ -6,7 +6,7 @@ max_tokens (default: the rest of the context), temperature, top_p, top_k, min_p,
 stop_token_ids, min_tokens, presence/frequency/repetition penalties, logit_bias, n, logprobs
 (0..20, OpenAI's legacy form), stream with include_usage, ignore_eos, priority and the `cotserve` policy
 object. Not supported, with a 400 naming the field: echo, suffix, best_of other than n, a priority
-beyond +-1000000, response_format other than text, structured_outputs / guided_*, chat_template_kwargs,
+beyond +-10000, response_format other than text, structured_outputs / guided_*, chat_template_kwargs,
 several prompts in one request.
 """
 

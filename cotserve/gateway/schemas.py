@@ -119,7 +119,7 @@ class SamplingFields(BaseModel):
     priority: StrictInt | None = Field(None, description="Extension (as in vLLM): lower is served earlier (the "
                                        "queue claims by priority, then arrival; on --engine vllm started with "
                                        "scheduling_policy=priority, vLLM's scheduler takes it too). Within "
-                                       "+-1000000; default 0.")
+                                       "+-10000; default 0.")
     structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's structured outputs: one of json, "
                                                       "json_object, regex, choice, grammar; honoured on --engine "
                                                       "vllm, refused (400) on the native engine.")

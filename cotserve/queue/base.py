@@ -24,7 +24,7 @@ import abc
 import json
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from cotserve.grouping import closest_in_length
@@ -82,19 +82,28 @@ class Job:
 
     @classmethod
     def from_json(cls, text: str, attempts: int = 0, claimed_at: float = 0.0) -> Job:
+        """A job from its JSON; fields this version does not know (a newer gateway's) are left out."""
         d = json.loads(text)
-        return cls(**d, attempts=attempts, claimed_at=claimed_at)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known}, attempts=attempts, claimed_at=claimed_at)
 
 
 # priorities a request may give (`Job.priority`): the Redis queue orders its pending jobs by
-# enqueue time + priority x PRIORITY_SPAN seconds, which keeps arrival order within a priority
-PRIORITY_LIMIT = 1_000_000
-PRIORITY_SPAN = 1e9
+# enqueue time + priority x PRIORITY_SPAN seconds (115 days), which keeps arrival order within a
+# priority to about 20 microseconds at the limit (a double's resolution there)
+PRIORITY_LIMIT = 10_000
+PRIORITY_SPAN = 1e7
 
 
 def pending_rank(job: Job) -> float:
     """A pending job's place in the claim order (smaller first): its priority, then its arrival."""
     return job.created + job.priority * PRIORITY_SPAN
+
+
+def group_key(job: Job) -> str:
+    """What a claimed group shares: the policy key and the priority (a group never takes a job of
+    another priority along with its first one). Priority 0 keeps the bare policy key."""
+    return job.key if not job.priority else f"{job.key}|p{job.priority}"
 
 
 # SamplingParams.max_tokens's default (cotserve.engine.sampling, which needs torch): the length a

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cotserve.queue.base import Job, JobQueue, QueueFull, kv_need, pick_group
+from cotserve.queue.base import Job, JobQueue, QueueFull, group_key, kv_need, pick_group
 
 
 @dataclass
@@ -99,7 +99,7 @@ class InProcessQueue(JobQueue):
             oldest_id = min(self._pending, key=lambda j: (self._jobs[j].job.priority, self._pending[j], j))
             oldest = self._jobs[oldest_id].job
             same = [(j, self._jobs[j].job.prompt_len) for j in self._pending
-                    if j != oldest_id and self._jobs[j].job.key == oldest.key]
+                    if j != oldest_id and group_key(self._jobs[j].job) == group_key(oldest)]
             need = None
             if max_tokens is not None:
                 need = {j: kv_need(self._jobs[j].job) for j in [oldest_id, *(j for j, _ in same)]}

