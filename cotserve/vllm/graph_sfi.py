@@ -176,18 +176,21 @@ class GraphSFI(PagedSFI):
                 read = min(st.k_eff + min(st.cfg.sinks, phys), ws) + (phys - ws)
                 st.retained_sum += min(1.0, read / phys)
         self.any_sfi = any_sfi
-        host_t = to_device(host, torch.int32, self.device)  # one transfer; the GPU is never waited for
-        for t, src in zip((self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len), host_t,
+        # the row plan and the ring writes in one transfer (the GPU is never waited for), then
+        # copied on the device into the row tensors (int32) and the ring-write tensors (long)
+        r, nw = self.max_rows, self.nw
+        plan = to_device([v for col in (*host, *whost) for v in col], torch.long, self.device)
+        rows, writes = plan[: 5 * r].view(5, r), plan[5 * r :].view(3, nw)
+        for t, src in zip((self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len), rows,
                           strict=True):
             t.copy_(src, non_blocking=True)
         if any_sfi:  # each head's compact cutoff: the window start, or a compacted row's true positions
             self.row_cws.copy_(self.row_ws.view(1, -1, 1).expand_as(self.row_cws))
             for i, cut in cuts:
                 self.row_cws[:, i] = cut
-        whost_t = to_device(whost, torch.long, self.device)
-        self.w_tok.copy_(whost_t[0], non_blocking=True)
-        self.w_slot.copy_(whost_t[1], non_blocking=True)
-        self.w_idx.copy_(whost_t[2], non_blocking=True)
+        self.w_tok.copy_(writes[0], non_blocking=True)
+        self.w_slot.copy_(writes[1], non_blocking=True)
+        self.w_idx.copy_(writes[2], non_blocking=True)
         lens = cm.seq_lens
         n = lens.shape[0]
         fa = self.fa_lens[:n]

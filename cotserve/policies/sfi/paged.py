@@ -40,18 +40,18 @@ from cotserve.policies.sfi.selection import select_from_evidence
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values (a list, nested lists or a CPU tensor) on `device` without waiting for the GPU.
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list, or nested lists) on `device` without waiting for the GPU.
 
     A copy from pageable host memory synchronizes the stream first: the host would wait for every
     queued kernel, the step vLLM's asynchronous scheduling has in flight included, and its next step
     would no longer be planned while the GPU runs this one. On CUDA the values go through pinned
     memory instead; PyTorch's caching host allocator records the copy's event and reuses that block
     only after the copy ran, so a fresh tensor per step is safe however far the host runs ahead."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    t = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
-        return t.to(dtype).pin_memory().to(device, non_blocking=True)
-    return t.to(device=device, dtype=dtype)
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def padded(*shape: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
