@@ -257,6 +257,19 @@ def test_bwrap_view_user_network_and_process_limit():
     assert r.status == "process_limit", (r.status, r.stderr[-300:])
 
 
+@NEEDS_BWRAP
+def test_bwrap_program_runs_on_the_evaluators_python():
+    """The program runs on this interpreter and its own standard library, also where the Python
+    installation sits below a folder `nobody` cannot enter on the host (root's 0700 home): not on
+    another libpython and standard library that the system folders happen to hold."""
+    import os
+
+    probe = "import os, sys\nprint(sys.version)\nprint(os.path.realpath(os.__file__))\n"
+    r = run_program(probe, limits=_limits("bwrap", False))
+    assert r.status == "ok", r.stderr
+    assert r.stdout.splitlines() == [sys.version, os.path.realpath(os.__file__)]
+
+
 @pytest.mark.parametrize("code,status", [
     ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "output_limit"),
     ("x = bytearray(900 * 1024 * 1024)\n", "memory"),

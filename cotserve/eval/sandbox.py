@@ -357,6 +357,24 @@ def _setpriv(uid: int) -> tuple[str, ...]:
             "--bounding-set=-all", "--no-new-privs")
 
 
+def _under_system(path: str) -> bool:
+    return any(path == d or path.startswith(d + "/") for d in SYSTEM)
+
+
+def _searchable_parents(path: str) -> list[str]:
+    """bwrap arguments that make the folders above `path` in the sandbox searchable, not listable
+    (0711). The folders bwrap makes above a mount point are otherwise no more open than the host's
+    (root's home is 0700), so `nobody` could not enter a Python installation under it: its
+    interpreter would start, but the loader would take another libpython from /usr (another Python
+    version, with its own standard library)."""
+    parents = []
+    p = os.path.dirname(path)
+    while p not in ("/", "") and not _under_system(p):
+        parents.append(p)
+        p = os.path.dirname(p)
+    return [arg for d in reversed(parents) for arg in ("--perms", "0711", "--dir", d)]
+
+
 def bwrap_prefix(root: str) -> tuple[str, ...]:
     """The bubblewrap command line for a run whose work directory is `root`, or () without bwrap.
     Only the system folders, the Python installation and `root` are mounted (see the module doc)."""
@@ -373,11 +391,11 @@ def bwrap_prefix(root: str) -> tuple[str, ...]:
             cmd += ["--ro-bind", d, d]
     cmd += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     home = python_home()
-    if not any(home == d or home.startswith(d + "/") for d in SYSTEM):
-        cmd += ["--ro-bind", home, home]
+    if not _under_system(home):
+        cmd += [*_searchable_parents(home), "--ro-bind", home, home]
     exe_dir = os.path.dirname(interpreter())
     if not (exe_dir == home or exe_dir.startswith(home + "/")) and not exe_dir.startswith("/usr/"):
-        cmd += ["--ro-bind", exe_dir, exe_dir]
+        cmd += [*_searchable_parents(exe_dir), "--ro-bind", exe_dir, exe_dir]
     cmd += ["--bind", root, root, "--chdir", root]
     if os.geteuid() == 0:  # root outside: setpriv drops to nobody, every capability and new privileges
         priv = _setpriv(NOBODY)
