@@ -256,3 +256,66 @@ def test_code_block_cut_by_max_tokens_earns_nothing():
     closed = cut + "```\nIt prints"
     g = grade_code(closed, meta, finish_reason="length")
     assert (g.correct, g.method) == (True, "code_block"), g
+
+
+@pytest.mark.parametrize("reply,gold,ok", [
+    ("#### -18", "18", False),
+    ("The answer is \u221218.", "18", False),  # the Unicode minus sign
+    ("The answer is \u221218.", "-18", True),
+    ("\\boxed{- 18}", "18", False),  # a minus spaced from its digits, as math-verify reads the box
+    ("\\boxed{- 18}", "-18", True),
+    ("The answer is - 18.", "18", False),
+    ("The answer is - 18.", "-18", True),
+    ("The answer is negative 18.", "18", False),
+    ("The answer is negative 18.", "-18", True),
+    ("She ends with minus 18 dollars.", "18", False),
+    ("She ends with minus 18 dollars.", "-18", True),
+    ("The answer is negative $5.", "5", False),
+    ("\\boxed{5 - 3}", "2", True),  # after a number the minus subtracts
+    ("\\boxed{5 - 3}", "-3", False),
+])
+def test_gsm8k_never_drops_a_sign(reply, gold, ok):
+    g = grade_gsm8k(reply, gold, "stop")
+    assert g.correct is ok, g
+
+
+@pytest.mark.parametrize("reply,gold,ok", [
+    ("\\boxed{-5}", "5", False),
+    ("\\boxed{5}", "-5", False),
+    ("\\boxed{- 5}", "5", False),
+    ("\\boxed{\u22125}", "-5", True),
+    ("The final answer is $-\\frac{1}{2}$.", "\\frac{1}{2}", False),
+])
+def test_math_never_drops_a_sign(reply, gold, ok):
+    g = grade_math(reply, gold, "stop")
+    assert g.correct is ok, g
+
+
+def test_negated_answers_give_the_one_stated_after_them():
+    mc = Item("mc", "made-up-2", "gpqa", "q", "B", {"choices": ["w", "x", "y", "z"]})
+    assert grade(mc, "The answer is not A. It is B.", finish_reason="stop").correct
+    assert not grade(Item("mc", "made-up-2", "gpqa", "q", "A", mc.meta), "The answer is not A. It is B.",
+                     finish_reason="stop").correct
+    assert not grade_gsm8k("The answer is not 5. It is 7.", "5", "stop").correct  # the negated number earns nothing
+    assert not grade_math("The answer is not $5$. The answer is $7$.", "5", "stop").correct
+    assert grade_math("The answer is not $5$. The answer is $7$.", "7", "stop").correct
+
+
+@pytest.mark.parametrize("kind,gold,reply", [
+    ("gsm8k", "18", "So she earns 9 * 2 = 18 dollars. The answer is 18"),
+    ("math", "\\frac{1}{2}", "Therefore the probability is \\boxed{\\frac{1}{2"),
+    ("gpqa", "B", "Mercury is closest, so the answer is B"),
+    ("exact", "yes", "Checking both cases, the answer is yes"),
+    ("code", None, "Here:\n```python\nprint(1 + 2)\n"),
+])
+def test_a_reply_cut_before_its_answer_ended_earns_nothing_in_every_kind(kind, gold, reply):
+    """The same text graded twice: cut at max_tokens it earns nothing; ended by itself (plus the
+    code block's closing fence) it is right, so the cut alone takes the credit away."""
+    meta = {"choices": ["Venus", "Mercury", "Earth", "Mars"]} if kind == "gpqa" else {}
+    if kind == "code":
+        meta = {"tests": [{"input": "", "output": "3\n", "testtype": "stdin"}]}
+    item = Item(kind, "cut-1", kind, "q", gold or "", meta)
+    cut = grade(item, reply, finish_reason="length")
+    assert (cut.correct, cut.method) == (False, "truncated"), cut
+    ended = reply + ("```\n" if kind == "code" else "}}" if kind == "math" else "")
+    assert grade(item, ended, finish_reason="stop").correct

@@ -7,7 +7,7 @@ from cotserve.eval.loaders import Item
 
 # Stored with every graded reply; replies graded by another version are graded again from their
 # stored text when a run is resumed (no new generation).
-GRADER_VERSION = "3"
+GRADER_VERSION = "4"
 
 
 def grade(item: Item, text: str, code_limits=None, finish_reason: str | None = None) -> Grade:

@@ -4,7 +4,8 @@ The answer is read only where the reply states it (`cotserve.eval.graders.final`
 final-answer marker, or the last line of a reply that ended by itself; a reply cut at max_tokens
 without one scores 0. The stated answer is judged whole: a single number (thousands separators,
 `$`, `%` and trailing units ignored) is compared numerically (`18`, `18.0`, `$18.00` all match
-`18`; a sign before a currency symbol is kept: `-$5` is -5); anything else (`5+13=18`, `20 * 3`)
+`18`; a sign is never dropped: `-$5` is -5, and so are `- 5` (no number before the minus, as
+math-verify reads `\\boxed{- 5}`), `negative 5` and `minus 5`); anything else (`5+13=18`, `20 * 3`)
 is parsed and checked by math-verify as one expression (`5+13=18` -> 18, `20 * 3` -> 60), never by
 its first or last number. A boxed or marked answer with more than one number and words (`3 \\text{ hours and }
 20 \\text{ minutes}`, `18 and then 2 more`) is not a number and is never correct: it is not the
@@ -24,11 +25,30 @@ _OPS = re.compile(r"=|\d\s*[-+*/\u00d7\u00f7^x]\s*\(?-?\d|\\times|\\div|\\cdot|\
 _SIGNED_CURRENCY = re.compile(r"([-\u2212+])\s*(?:\\?\$|\u20ac|\u00a3|\u00a5|USD\s*)\s*(?=[\d.])")
 _WORD = re.compile(r"[A-Za-z]{2,}")
 _LATEX_CMD = re.compile(r"\\[A-Za-z]+")
+# a sign in words or spaced from its digits (`negative 18`, `minus 18`, `\\boxed{- 18}`)
+_SIGN_WORD = re.compile(r"(?i)\b(?:negative|minus)\s+(?=\\?\$?\s*\.?\d)")
+_SPACED_MINUS = re.compile(r"-\s+(?=\.?\d)")
+
+
+def _after_operand(s: str, pos: int) -> bool:
+    """A number or a closing bracket comes before `pos` (spaces aside): a minus there subtracts."""
+    before = s[:pos].rstrip()[-1:]
+    return bool(before) and (before.isdigit() or before in ")]}%")
+
+
+def _sign_word(m: re.Match[str]) -> str:
+    if m.group(0)[0] in "mM" and _after_operand(m.string, m.start()):
+        return "- "  # `20 minus 2`: a subtraction
+    return "-"  # `negative 18`, `with minus 18`: the sign of the number
 
 
 def _plain(text: str) -> str:
-    """Spacing macros out, the minus sign as `-`, and a sign before a currency symbol next to its digits."""
+    """Spacing macros out, the minus sign as `-`, a sign in words (`negative 18`) or spaced from its
+    digits (`- 18`, where no number comes before it) next to them, and a sign before a currency
+    symbol next to its digits."""
     s = text.replace("\\!", "").replace("\\,", "").replace("\u2212", "-")
+    s = _SIGN_WORD.sub(_sign_word, s)
+    s = _SPACED_MINUS.sub(lambda m: m.group(0) if _after_operand(m.string, m.start()) else "-", s)
     return _SIGNED_CURRENCY.sub(lambda m: "-" if m.group(1) != "+" else "", s)
 
 
