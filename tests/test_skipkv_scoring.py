@@ -4,6 +4,8 @@ the sentence tracker, and the rkv/skipkv compaction on a hand-built cache (no mo
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -235,3 +237,37 @@ def test_bad_options_are_refused(opt):
 
     with pytest.raises(PolicyError):
         build_policy("skipkv", opt)
+
+
+@pytest.mark.parametrize("retain,quirk", [(1, False), (1, True), (0, False)])
+@pytest.mark.parametrize("max_floats", [300 * 40, 300 * 300 + 1, 2 * 300 * 300])
+def test_redundancy_in_chunks_matches_one_chunk(retain, quirk, max_floats):
+    """Rows (and heads) in blocks of at most `max_floats` similarities give the one-block result."""
+    k = rand(6, 300, 8, seed=12)
+    whole = scoring.key_redundancy(k, 0.3, retain, quirk, max_floats=10**9)
+    got = scoring.key_redundancy(k, 0.3, retain, quirk, max_floats=max_floats)
+    torch.testing.assert_close(got, whole, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(got, scoring.key_redundancy_reference(k, 0.3, retain, quirk), atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_redundancy_memory_is_bounded_by_its_chunks():
+    """Under an address-space limit below one head's n x n similarities, the chunked redundancy runs
+    and the whole matrix cannot be made (the eviction of a long prompt used to ask for 30 GiB)."""
+    code = (
+        "import resource, torch\n"
+        "from cotserve.policies import scoring\n"
+        "torch.set_num_threads(1)\n"
+        "k = torch.randn(8, 12000, 8, generator=torch.Generator().manual_seed(0))\n"
+        "whole = 12000 * 12000 * 4\n"
+        "vm = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + whole // 2, vm + whole // 2))\n"
+        "red = scoring.key_redundancy(k, 0.5, 1, max_floats=1 << 23)\n"
+        "print('chunked', tuple(red.shape), round(float(red.sum()), 3))\n"
+        "try:\n"
+        "    scoring.key_similarity(k[:1])\n"
+        "    print('whole made')\n"
+        "except (RuntimeError, MemoryError):\n"
+        "    print('whole refused')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split("\n")[:2] == ["chunked (8, 12000) 8.0", "whole refused"], proc.stdout + proc.stderr[-2000:]

@@ -117,14 +117,24 @@ def attention_importance(q: torch.Tensor, k: torch.Tensor, scaling: float, windo
 
 def key_similarity(k: torch.Tensor) -> torch.Tensor:
     """Cosine similarity between a head's keys, diagonal zeroed: [Hkv, n, n]."""
-    kn = k.float() / (k.float().norm(dim=-1, keepdim=True) + 1e-8)
+    kn = _unit_keys(k)
     sim = torch.matmul(kn, kn.transpose(-1, -2))
     sim.diagonal(dim1=-2, dim2=-1).zero_()
     return sim
 
 
+def _unit_keys(k: torch.Tensor) -> torch.Tensor:
+    return k.float() / (k.float().norm(dim=-1, keepdim=True) + 1e-8)
+
+
+# similarities `key_redundancy` holds at once (float32: 512 MiB, about 1.3 GiB with the comparisons
+# made from them): n x n per head grows past any GPU at long contexts (8 KV heads of a 32,000-entry
+# prompt are 30 GiB), so the rows go in chunks; a sequence that fits is one chunk, as before
+REDUNDANCY_FLOATS = 1 << 27
+
+
 def key_redundancy(k: torch.Tensor, threshold: float = 0.5, retain: int = 1,
-                   reference_quirk: bool = False) -> torch.Tensor:
+                   reference_quirk: bool = False, max_floats: int = REDUNDANCY_FLOATS) -> torch.Tensor:
     """Redundancy of every key: [Hkv, n], each head's row sums to 1.
 
     R-KV Sec. 3.3: S = cos(K, K) with S_ii = 0. For each key i, among the keys j with S_ij > T
@@ -134,43 +144,61 @@ def key_redundancy(k: torch.Tensor, threshold: float = 0.5, retain: int = 1,
 
     The same function as `key_redundancy_reference`, computed with fewer passes over the n x n
     similarities for `retain` 0 and 1 (R-KV's default): column sums of S minus each row's
-    exempted entry, found as the last above-threshold key of the row (no cumulative count)."""
+    exempted entry, found as the last above-threshold key of the row (no cumulative count). The
+    similarities are made a block of rows (and heads) at a time, at most `max_floats` of them."""
     if retain > 1:
         return key_redundancy_reference(k, threshold, retain, reference_quirk)
-    sim = key_similarity(k)
-    n = sim.shape[-1]
+    h, n = k.shape[0], k.shape[1]
     if n == 0:
-        return sim.new_zeros(sim.shape[:-1])
-    col = sim.sum(dim=-2)  # [Hkv, n]
-    none = -torch.ones((), dtype=torch.long, device=sim.device)
-    if retain == 1 or reference_quirk:
-        above = sim > threshold
-        has, first_rev = above.flip(-1).view(torch.uint8).max(dim=-1)  # first above key from the newest end
-        has = has.bool()
-        if retain == 1:
-            last = torch.where(has, n - 1 - first_rev, none)  # [Hkv, n] the row's exempted key, -1 none
-        else:
-            last = torch.full_like(first_rev, -1)
-        if reference_quirk:  # the code's argmax over an all-zero row picks key 0
-            last = torch.where(has, last, torch.zeros_like(last))
-        col = col - _column_totals(sim, last)
+        return torch.zeros(h, 0, dtype=torch.float32, device=k.device)
+    kn = _unit_keys(k)
+    rows = max(1, min(n, max_floats // n))
+    heads = max(1, min(h, max_floats // (rows * n)))
+    col = torch.zeros(h, n, dtype=torch.float32, device=k.device)
+    exempt = retain == 1 or reference_quirk
+    last = torch.empty(h, n, dtype=torch.long, device=k.device) if exempt else None
+    value = torch.empty(h, n, dtype=torch.float32, device=k.device) if exempt else None
+    none = -torch.ones((), dtype=torch.long, device=k.device)
+    for h0 in range(0, h, heads):
+        h1 = min(h, h0 + heads)
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            sim = torch.matmul(kn[h0:h1, a:b], kn[h0:h1].transpose(-1, -2))  # [heads, b - a, n]
+            sim.diagonal(offset=a, dim1=-2, dim2=-1).zero_()
+            col[h0:h1] += sim.sum(dim=-2)
+            if not exempt:
+                continue
+            above = sim > threshold
+            has, first_rev = above.flip(-1).view(torch.uint8).max(dim=-1)  # first above key from the newest end
+            has = has.bool()
+            if retain == 1:
+                pick = torch.where(has, n - 1 - first_rev, none)  # the row's exempted key, -1 none
+            else:
+                pick = torch.full_like(first_rev, -1)
+            if reference_quirk:  # the code's argmax over an all-zero row picks key 0
+                pick = torch.where(has, pick, torch.zeros_like(pick))
+            last[h0:h1, a:b] = pick
+            value[h0:h1, a:b] = sim.gather(-1, pick.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    if exempt:
+        col = col - _column_totals(value, last)
     return torch.softmax(col / n, dim=-1)
 
 
-def _column_totals(sim: torch.Tensor, col_of_row: torch.Tensor) -> torch.Tensor:
-    """[H, n]: for each column j, the sum of sim[h, i, j] over the rows i with col_of_row[h, i] == j
-    (-1: the row picks no column). One value per row, summed per column through a sort and a
-    float64 running sum rather than atomic adds, so the result does not vary from run to run."""
+def _column_totals(value: torch.Tensor, col_of_row: torch.Tensor) -> torch.Tensor:
+    """[H, n]: for each column j, the sum of value[h, i] (row i's similarity to the column it
+    picked) over the rows i with col_of_row[h, i] == j (-1: the row picks no column). Summed per
+    column through a sort and a float64 running sum rather than atomic adds, so the result does
+    not vary from run to run."""
     h, n = col_of_row.shape
     picked = col_of_row >= 0
-    v = sim.gather(-1, col_of_row.clamp(min=0).unsqueeze(-1)).squeeze(-1).double() * picked
+    v = value.double() * picked
     key = torch.where(picked, col_of_row, torch.full_like(col_of_row, n))
     key, order = key.sort(dim=-1, stable=True)
     run = torch.nn.functional.pad(v.gather(-1, order).cumsum(-1), (1, 0))
-    cols = torch.arange(n, device=sim.device).expand(h, n).contiguous()
+    cols = torch.arange(n, device=value.device).expand(h, n).contiguous()
     hi = torch.searchsorted(key, cols, right=True)
     lo = torch.searchsorted(key, cols, right=False)
-    return (run.gather(-1, hi) - run.gather(-1, lo)).to(sim.dtype)
+    return (run.gather(-1, hi) - run.gather(-1, lo)).to(value.dtype)
 
 
 def key_redundancy_reference(k: torch.Tensor, threshold: float = 0.5, retain: int = 1,
