@@ -180,7 +180,7 @@ def test_step_and_refresh_never_wait_for_the_gpu_cuda():
 
     def step(ntok: int, length: int):
         cm = SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, ntok]), block_table_tensor=blocks,
-                             seq_lens=torch.tensor([length], dtype=torch.int32, device=dev))
+                             seq_lens=to_device([length], torch.int32, dev))  # as vLLM's, from pinned memory
         g.refresh_due(cm, 16)
         return g.step(cm, 16)
 
