@@ -43,6 +43,27 @@ def setup():
     return gen, caches, cfg, g
 
 
+def test_start_up_warm_up_writes_nothing_a_step_reads(setup):
+    """The start-up warm-up (CUDA forward, first step not being captured) launches SFI's kernels on
+    one mode-0 row into scratch outputs: the step's output and the row tensors stay as they were,
+    and it runs once."""
+    gen, caches, cfg, g = setup
+    kc, vc = caches[0].transpose(1, 2).split(D, dim=-1)  # [blocks, block, H, D] views, as the backend's
+    rows = (g.row_mode, g.row_slot, g.row_tok, g.row_ws, g.row_len, g.row_cws, g.cpos)
+    before = [t.clone() for t in rows]
+    q = torch.randn(5, HQ, D, generator=gen)
+    out = torch.full((5, HQ, D), 7.0)
+    blocks = torch.randperm(NB, generator=gen)[:12].view(1, -1).to(torch.int32)
+    launched = []
+    warm = g._warm
+    g._warm = lambda c, slot=0: (launched.append((c, slot)), warm(c, slot))
+    g.warm_up(0, q, out, kc, vc, blocks)
+    g.warm_up(0, q, out, kc, vc, blocks)
+    assert g.warmed_up and launched == [(SFIConfig(), 0)]
+    assert torch.equal(out, torch.full((5, HQ, D), 7.0))
+    assert all(torch.equal(a, b) for a, b in zip(rows, before, strict=True))
+
+
 @pytest.mark.parametrize("floats", [None, HQ * 8 * 150 * 2])
 def test_batched_refresh_equals_eager_selection(setup, monkeypatch, floats):
     """`floats`: a refresh budget that holds two requests' logits, so the three go in two parts."""
@@ -130,15 +151,16 @@ def test_warm_up_at_admission_leaves_other_slots_alone(setup):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton's compiled-kernel caches)")
 def test_no_compilation_after_the_warm_up_cuda():
-    """After the admission warm-up, refreshes at any length (bootstrap and slow-step rows) compile
-    no new variant of the refresh kernels: nothing is compiled inside a decode step."""
+    """After the warm-ups (admission, and the start-up one), refreshes at any length (bootstrap and
+    slow-step rows) and fast steps at any batch size compile no new kernel variant: nothing is
+    compiled inside a decode step."""
     from cotserve.kernels import sfi_paged as sp
     from cotserve.kernels import sfi_select as ss
 
     dev = torch.device("cuda")
     layers = [SimpleNamespace(kv_cache=torch.randn(700, 8, 16, 256, device=dev, dtype=torch.bfloat16))
               for _ in range(2)]
-    g = GraphSFI(layers, 32, 8, 128, 0.088, torch.bfloat16, dev, slots=2, max_rows=2, rows=BatchRows())
+    g = GraphSFI(layers, 32, 8, 128, 0.088, torch.bfloat16, dev, slots=2, max_rows=8, rows=BatchRows())
     cfg = SFIConfig()
     kernels = (ss._head_kernel, ss._mix_kernel, sp._paged_logits_kernel, sp._pack_kernel)
 
@@ -146,7 +168,12 @@ def test_no_compilation_after_the_warm_up_cuda():
         return [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
 
     g._warm(cfg)
+    kc0, vc0 = layers[0].kv_cache.transpose(1, 2).split(128, dim=-1)  # [blocks, block, H, D] views
+    bt = torch.zeros(8, 40, dtype=torch.int32, device=dev)
+    g.warm_up(0, torch.zeros(8, 32, 128, device=dev, dtype=torch.bfloat16),
+              torch.zeros(8, 32, 128, device=dev, dtype=torch.bfloat16), kc0, vc0, bt)
     torch.cuda.synchronize()
+    kernels = (*kernels, sp._sfi_fast_kernel, sp._sfi_fast_split_kernel, sp._sfi_combine_kernel)
     before = compiled()
     for n in (4097, 4104, 5000, 4096, 2500):
         blocks = torch.randperm(700, device=dev)[: -(-n // 16)].view(1, -1).to(torch.int32)
@@ -154,6 +181,11 @@ def test_no_compilation_after_the_warm_up_cuda():
             ring_pos = [n - 16 + ((i - n) % 16) for i in range(16)]
             g.refresh([SlotState(cfg, RefreshTrigger(), n, 0, ring_pos=ring_pos, refresh_n=n, refresh_lo=lo)],
                       blocks, 16)
+    for rows in range(1, 9):  # the fast step at every batch size
+        sp.sfi_paged_fast(torch.zeros(rows, 32, 128, device=dev, dtype=torch.bfloat16),
+                          torch.zeros(rows, 32, 128, device=dev, dtype=torch.bfloat16), g.ck[0], g.cv[0], g.cpos[0],
+                          kc0, vc0, bt[:rows], g.row_mode, g.row_slot, g.row_tok, g.row_ws, g.row_len, 0.088,
+                          rows=rows, row_cws=g.row_cws[0])
     torch.cuda.synchronize()
     assert compiled() == before
 

@@ -58,10 +58,34 @@ class GraphSFI(PagedSFI):
         self.free = list(range(slots))
         self.finished: list[SlotState] = []
         self.any_sfi = False
+        self.warmed_up = False
         self._no_slots_warned = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
         log.info("sfi: %d slots, C=%d, %.2f GiB of compact buffers", slots, self.C,
                  2 * self.ck.numel() * self.ck.element_size() / 2**30)
+
+    def warm_up(self, li: int, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, block_table: torch.Tensor) -> None:
+        """Compile SFI's kernels while the engine starts, before it serves: the refresh kernels for the
+        paper's default options (`_warm`) and the fast step's kernel for every split count a batch of
+        1 .. max_rows rows can ask for (`default_splits`; the captured batch sizes compile only their
+        own, and an eager step of another size would compile inside a request). Run once, on a step
+        that is not being captured (its launches would be in the graph), with the step's own cache and
+        block table, on one row of mode 0 into scratch outputs: nothing a request reads is written."""
+        if self.warmed_up:
+            return
+        self.warmed_up = True
+        if self.slots == 0:
+            return
+        from cotserve.kernels.sfi_paged import default_splits, sfi_paged_fast
+
+        self._warm(SFIConfig(), self.free[0] if self.free else 0)
+        mode = torch.zeros_like(self.row_mode[:1])
+        q1, o1 = torch.zeros_like(q[:1]), torch.empty_like(out[:1])
+        for ns in sorted({default_splits(r, self.hkv, self.device) for r in range(1, self.max_rows + 1)}):
+            sfi_paged_fast(q1, o1, self.ck[li], self.cv[li], self.cpos[li], key_cache, value_cache, block_table[:1],
+                           mode, self.row_slot[:1], self.row_tok[:1], self.row_ws[:1], self.row_len[:1], self.scale,
+                           rows=1, splits=ns, row_cws=self.row_cws[li][:1])
 
     # -- per step, outside the graph -----------------------------------------------------------
     def refresh_due(self, cm, block_size: int) -> None:
