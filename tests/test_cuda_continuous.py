@@ -109,4 +109,4 @@ def test_sfi_joins_the_captured_step_and_matches_the_eager_policy(cuda_engine):
     again = _run(ce, prompts, new, joins, policies)
     assert step.captures == captures
     assert [r.token_ids for r in again] == [r.token_ids for r in graphed]
-    assert step.pool.sfi is not None and not step.pool.sfi.states
+    assert "sfi" in step.pool.forms and not step.pool.forms["sfi"].states
