@@ -206,7 +206,7 @@ class ContinuousEngine:
         # per pooled kind (a policy's name): entries per KV head its pooled form holds for one
         # sequence (SFI's selected set, `k`); a kind left out takes its form's default
         self.pool_capacity = dict(pool_capacity or {})
-        self._pool: SlotPool | None = None  # allocated when the first sequence joins it
+        self._pool: SlotPool | None = None  # made at the first admission (its KV at the first slot taken)
         self._pooled: PooledDecode | None = None
 
     # -- intake ----------------------------------------------------------------------------
