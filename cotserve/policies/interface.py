@@ -17,8 +17,8 @@ Hooks, in the order the engine calls them for one batch:
   after_forward(batch)                after every forward (prefill and decode); eviction runs here
   telemetry(slot)                     per-sequence numbers reported with the response
 
-One more hook is asked once per kind by the continuous engine's pooled decode step
-(`engine/graph_pool.py`), never per step:
+One more hook is asked by the continuous engine's pooled decode step (`engine/graph_pool.py`) at
+admission, while its pool holds no runtime of that policy's name, never per step:
 
   pooled_form(pool)                   -> the policy's runtime over every slot of the pool, or None
 
