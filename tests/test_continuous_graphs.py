@@ -98,7 +98,7 @@ def test_pooled_step_with_sfi_dense_and_an_eager_row_matches_the_eager_path(engi
     plan = {0: [(reqs[0], "dense", {})], 1: [(reqs[1], "sfi", SFI), (reqs[2], "streamingllm", evict)]}
 
     def run(static: bool):
-        ce = ContinuousEngine(engine, slots=3, static_step=static, pool_len=64, sfi_k=8)
+        ce = ContinuousEngine(engine, slots=3, static_step=static, pool_len=64, pool_capacity={"sfi": 8})
         return _run(ce, plan)[0], ce
 
     (got, ce), (ref, _) = run(True), run(False)
@@ -110,7 +110,7 @@ def test_pooled_step_with_sfi_dense_and_an_eager_row_matches_the_eager_path(engi
     assert sfi_got["sfi_slow_steps"] == sfi_ref["sfi_slow_steps"] >= 1
     assert sfi_got["sfi_selected_per_head"] == sfi_ref["sfi_selected_per_head"] == SFI["k"]
     pool = ce.pooled_step.pool
-    assert pool.sfi is not None and not pool.sfi.states  # the SFI sequence left the pooled runtime
+    assert "sfi" in pool.forms and not pool.forms["sfi"].states  # the SFI sequence left the pooled runtime
 
 
 def test_cancel_frees_the_pool_slot_within_one_step(engine):

@@ -74,7 +74,7 @@ def test_dense_graphs_are_captured_once_per_bucket_and_match_the_eager_path(cuda
     used = {b for _, b in step.bucket_steps}
     assert len(used) >= 2
     assert step.captures == len(step.graphs) == len(used)  # one capture per bucket used
-    assert set(step.graphs) == {(b, False) for b in used}
+    assert set(step.graphs) == {(b, ()) for b in used}  # dense rows alone: no pooled form's kind
     for n, b in step.bucket_steps:
         assert b == min(x for x in step.buckets if x >= n)
     captures = step.captures
@@ -103,10 +103,10 @@ def test_sfi_joins_the_captured_step_and_matches_the_eager_policy(cuda_engine):
             assert a["sfi_slow_steps"] == b["sfi_slow_steps"] >= 2
             assert a["sfi_selected_per_head"] == b["sfi_selected_per_head"] == SFI["k"]
     step = ce.pooled_step
-    assert any(sfi for _, sfi in step.graphs)  # a graph with SFI's launches
+    assert any("sfi" in kinds for _, kinds in step.graphs)  # a graph with SFI's launches
     assert step.captures == len(step.graphs)
     captures = step.captures
     again = _run(ce, prompts, new, joins, policies)
     assert step.captures == captures
     assert [r.token_ids for r in again] == [r.token_ids for r in graphed]
-    assert step.pool.sfi is not None and not step.pool.sfi.states
+    assert "sfi" in step.pool.forms and not step.pool.forms["sfi"].states

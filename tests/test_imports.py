@@ -6,8 +6,10 @@ not (they never run)."""
 from __future__ import annotations
 
 import ast
+import io
 import subprocess
 import sys
+import tokenize
 from collections import defaultdict
 from pathlib import Path
 
@@ -109,6 +111,45 @@ def test_engine_kernels_queue_and_worker_import_nothing_above_them():
             continue
         bad += [f"{module} -> {t}" for t in _targets(module) if _under(t, *above)]
     assert not bad, bad
+
+
+# Token types whose text is code or a literal (comments are free to name anything)
+_SPELLED = {tokenize.NAME, tokenize.STRING} | {t for t in (getattr(tokenize, "FSTRING_MIDDLE", None),) if t is not None}
+
+
+def _spelled(source: str, word: str) -> list[str]:
+    """'line: token' for every name or string (docstrings included) of `source` containing `word`,
+    any case; comments are left out."""
+    return [f"{tok.start[0]}: {tok.string}" for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type in _SPELLED and word in tok.string.lower()]
+
+
+def test_the_token_check_sees_names_and_strings_but_not_comments():
+    assert _spelled("ok = math.isfinite(x)\n", "sfi") == ["1: isfinite"]
+    assert _spelled('"""The SFI rows."""\n', "sfi") == ['1: """The SFI rows."""']
+    assert _spelled("x = f'{y} sfi'\n", "sfi")
+    assert _spelled("x = 1  # SFI's pooled form\n", "sfi") == []
+
+
+def test_the_engine_never_names_a_policy_of_its_own():
+    """The engine asks policies through their hooks (a pooled form: `Policy.pooled_form`): no name
+    or string under cotserve/engine spells "sfi", and no engine module imports a module that
+    defines a policy (`registry.POLICY_MODULES`; the interface, base, registry and shared
+    toolboxes such as `boundaries` are fine)."""
+    from cotserve.policies.registry import POLICY_MODULES
+
+    engine = {m: p for m, p in MODULES.items() if _under(m, "cotserve.engine")}
+    assert "cotserve.engine.graph_pool" in engine and "cotserve.policies.sfi" in POLICY_MODULES
+    spelled = [f"{p.relative_to(ROOT)}:{hit}" for p in engine.values() for hit in _spelled(p.read_text(), "sfi")]
+    assert not spelled, spelled
+    named = [f"{m} -> {t}" for m in engine for t, _ in IMPORTS[m] if _under(t, *POLICY_MODULES)]
+    assert not named, named
+    # imports under TYPE_CHECKING never run, but they name a policy all the same
+    typed = [f"{m} -> {name}" for m, p in engine.items() for n in ast.walk(ast.parse(p.read_text()))
+             for name in ([n.module or ""] if isinstance(n, ast.ImportFrom) else
+                          [a.name for a in n.names] if isinstance(n, ast.Import) else [])
+             if _under(name, *POLICY_MODULES)]
+    assert not typed, typed
 
 
 def _unit(module: str) -> str:

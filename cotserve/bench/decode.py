@@ -68,10 +68,11 @@ def time_continuous(engine: NativeEngine, prompts: list[list[int]], new_tokens: 
     size runs first, so the timed steps do not include the graphs' capture."""
     from cotserve.engine.continuous import ContinuousEngine
 
+    # the pool's SFI buffers hold the k the run asks for (the pooled form's capacity setting)
     k = int(options.get("k", options.get("sfi.k", 2048))) if "sfi" in policy.split("+") else 2048
     longest = max(len(p) for p in prompts)
     ce = ContinuousEngine(engine, slots=len(prompts), prefill_chunk=longest * len(prompts), static_step=static_step,
-                          pool_len=longest + new_tokens + 1, sfi_k=k)
+                          pool_len=longest + new_tokens + 1, pool_capacity={"sfi": k})
     dev = engine.device
 
     def submit(ps: list[list[int]], n: int) -> None:

@@ -25,8 +25,9 @@ step. Decode rows whose stack is dense through the C++ CPU kernel (`PolicyStack.
 attend together, one `ragged_decode` call per layer over their own caches (the same arithmetic as
 the kernel's one-sequence call, bit for bit); every other row goes through its own stack.
 
-On CUDA (or with `static_step=True` anywhere) dense and SFI sequences that fit a slot of
-`pool_len` entries decode instead in the pooled, fixed-shape step of `graph_pool.py`: their caches
+On CUDA (or with `static_step=True` anywhere) dense sequences, and those of a policy with a pooled
+form (`Policy.pooled_form`), that fit a slot of `pool_len` entries decode instead in the pooled,
+fixed-shape step of `graph_pool.py`: their caches
 live in one pool allocated once per engine, the step reads its rows through persistent index
 tensors, and on CUDA it is captured once per batch-size bucket (1, 2, 4, ... up to `slots`) and
 replayed as the batch changes. They prefill into their slot eagerly, as above. Sequences of other
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ import torch
 
 from cotserve.engine.batch import BatchState
 from cotserve.engine.cache import CacheShape, KVCache
-from cotserve.engine.graph_pool import PooledDecode, PoolRow, PoolSlot, SlotPool, capturable, row_kind
+from cotserve.engine.graph_pool import PooledDecode, PoolRow, PoolSlot, SlotPool, capturable
 from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, _Slot
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
 from cotserve.errors import RequestError
@@ -78,7 +79,7 @@ class _Seq:
     steady: int = 0  # > 0: an evicting sequence's capacity once compacted (its cache shrinks to it)
     alloc_peak: int = 0  # the most K+V bytes its cache had allocated
     pool_slot: int | None = None  # its slot in the pool when it decodes in the pooled step
-    kind: str = ""  # dense | sfi: its rows' kind in the pooled step
+    kind: str = ""  # its rows' kind in the pooled step: "dense" or the policy whose pooled form it joined
 
 
 class _Rows:
@@ -179,7 +180,8 @@ class ContinuousEngine:
     Not thread-safe: one thread calls `submit`, `cancel` and `step` (the worker's loop)."""
 
     def __init__(self, engine: NativeEngine, slots: int | None = None, prefill_chunk: int = 256, grow: int = 256,
-                 static_step: bool | None = None, pool_len: int = 4096, sfi_k: int = 2048):
+                 static_step: bool | None = None, pool_len: int = 4096,
+                 pool_capacity: Mapping[str, int] | None = None):
         if prefill_chunk < 1 or grow < 1 or pool_len < 2:
             raise ValueError("prefill_chunk and grow must be at least 1, pool_len at least 2")
         self.grow = grow
@@ -201,8 +203,10 @@ class ContinuousEngine:
         self.static_step = can_capture if static_step is None else static_step
         self.capture = self.static_step and can_capture
         self.pool_len = pool_len  # cache entries per pool slot: longer sequences decode eagerly
-        self.sfi_k = sfi_k  # selected entries per KV head the pool's SFI buffers hold
-        self._pool: SlotPool | None = None  # allocated when the first sequence joins it
+        # per pooled kind (a policy's name): entries per KV head its pooled form holds for one
+        # sequence (SFI's selected set, `k`); a kind left out takes its form's default
+        self.pool_capacity = dict(pool_capacity or {})
+        self._pool: SlotPool | None = None  # made at the first admission (its KV at the first slot taken)
         self._pooled: PooledDecode | None = None
 
     # -- intake ----------------------------------------------------------------------------
@@ -239,17 +243,17 @@ class ContinuousEngine:
     def pooled_step(self) -> PooledDecode:
         """The pooled step and its slot pool, allocated at first use."""
         if self._pooled is None:
-            self._pool = SlotPool(self.engine, self.slots, self.pool_len, self.sfi_k)
+            self._pool = SlotPool(self.engine, self.slots, self.pool_len, self.pool_capacity)
             self._pooled = PooledDecode(self.engine, self._pool, self.capture)
         return self._pooled
 
     def _pool_cache(self, s: _Seq, capacity: int) -> KVCache | None:
         """A slot of the pool for a sequence that can decode in the pooled step, else None."""
-        kind = row_kind(s.stack) if self.static_step else None
-        if kind is None:
+        if not self.static_step:
             return None
         pool = self.pooled_step.pool
-        if not pool.fits(kind, s.stack, capacity):
+        kind = pool.kind(s.stack, capacity)
+        if kind is None:
             return None
         s.pool_slot, s.kind = pool.acquire(), kind
         return pool.cache.slot_view(s.pool_slot)
@@ -278,7 +282,10 @@ class ContinuousEngine:
             cache = KVCache(CacheShape(info.num_layers, 1, info.num_kv_heads, capacity, info.head_dim),
                             eng.dtype, self.device)
         s.alloc_peak = cache.allocated_bytes_per_slot()
-        pool_slot = None if s.pool_slot is None else PoolSlot(self.pooled_step.pool, s.pool_slot)
+        pool_slot = None
+        if s.pool_slot is not None:
+            pool = self.pooled_step.pool
+            pool_slot = PoolSlot(pool, s.pool_slot, pool.forms.get(s.kind))
         s.view = BatchState(info=info, cache=cache, policy=s.stack, scaling=eng.scaling,
                             prompt_lens=torch.tensor([n], device=self.device),
                             tokens=[list(s.slot.req.prompt_ids)],
@@ -370,16 +377,15 @@ class ContinuousEngine:
     def _decode_pooled(self, seqs: list[_Seq], lean: bool, total: int) -> list[Delta]:
         eng = self.engine
         step = self.pooled_step
-        if step.pool.sfi is not None and any(s.kind == "sfi" for s in seqs):
-            step.pool.sfi.refresh_due()
-        rows = []
+        rows = [PoolRow(s.pool_slot, s.kind, s.slot.out_ids[-1], s.slot.prompt_len + len(s.slot.out_ids) - 1)
+                for s in seqs if s.pool_slot is not None]
+        step.before_step(rows)  # the pooled forms' host work (SFI: the refreshes due)
         for s in seqs:
             view = s.view
             assert view is not None and s.pool_slot is not None
             view.mode = "decode"
             view.step = s.steps
-            s.stack.before_step(view)  # SFI plans its row
-            rows.append(PoolRow(s.pool_slot, s.kind, s.slot.out_ids[-1], s.slot.prompt_len + len(s.slot.out_ids) - 1))
+            s.stack.before_step(view)  # a pooled form's policy plans its row (SFI)
         hidden = step.run(rows, lean)
         entry = 2 * eng.info.num_layers * eng.info.num_kv_heads * eng.info.head_dim * step.pool.cache.k.element_size()
         for j, (s, row) in enumerate(zip(seqs, rows, strict=True)):

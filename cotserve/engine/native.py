@@ -26,8 +26,8 @@ from cotserve.errors import RequestError
 from cotserve.grouping import length_groups
 from cotserve.models import LoadedModel
 from cotserve.policies.base import PolicyStack
+from cotserve.policies.boundaries import think_ids
 from cotserve.policies.registry import build_policy
-from cotserve.policies.steering import think_ids
 
 ATTN_IMPL = "cotserve"
 

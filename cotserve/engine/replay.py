@@ -1,8 +1,8 @@
 """Replay: a benchmark facility that makes decoding follow a real text.
 
 With random weights of real shapes (the fast way to measure a large model) the sampled tokens are
-noise: no sentence ever ends, so SFI's boundary refreshes, SkipKV's sentences and thoughts and
-steering's triggers happen at rates no real text gives. Under replay, each request's output
+noise: no sentence ever ends, so the refreshes at sentence ends, SkipKV's sentences and thoughts
+and steering's triggers happen at rates no real text gives. Under replay, each request's output
 tokens are taken from a real text instead of from the model's choice (teacher forcing through the
 engine's `GenRequest.forced_ids`, or on vLLM through `cotserve.vllm.replay.ReplayForcer`), while
 the model still computes every step at its real shapes. The policies see the text's boundaries at

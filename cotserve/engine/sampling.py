@@ -19,6 +19,11 @@ MIN_TEMPERATURE = 1e-5
 SEED_MOD = 1 << 64  # torch generators take seeds in [0, 2**64); other integers wrap into it
 
 
+def _finite(x: float) -> bool:
+    """A finite number: False for NaN (every comparison with it is False) and the infinities."""
+    return -math.inf < x < math.inf
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
@@ -52,23 +57,23 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", field="max_tokens")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _finite(self.temperature) or self.temperature < 0:
             raise RequestError("temperature must be a finite number >= 0", field="temperature")
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+        if not (_finite(self.top_p) and 0 < self.top_p <= 1):
             raise RequestError("top_p must be in (0, 1]", field="top_p")
         if self.top_k < 0:
             raise RequestError("top_k must be >= 0", field="top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", field="top_logprobs")
-        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+        if not (_finite(self.min_p) and 0 <= self.min_p <= 1):
             raise RequestError("min_p must be in [0, 1]", field="min_p")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise RequestError("min_tokens must be between 0 and max_tokens", field="min_tokens")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and -2 <= value <= 2):
+            if not (_finite(value) and -2 <= value <= 2):
                 raise RequestError(f"{name} must be in [-2, 2]", field=name)
         if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
             raise RequestError("thinking_token_budget must be >= 0", field="thinking_token_budget")
@@ -76,12 +81,12 @@ class SamplingParams:
                                             or next(iter(self.structured)) not in STRUCTURED_KINDS):
             raise RequestError(f"constrained output takes one of {', '.join(STRUCTURED_KINDS)}",
                                field=self.structured_field)
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise RequestError("repetition_penalty must be a finite number > 0", field="repetition_penalty")
         # JSON object keys are strings: a job's sampling settings carry {"123": -100}
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         for k, v in self.logit_bias.items():
-            if k < 0 or not (math.isfinite(v) and -100 <= v <= 100):
+            if k < 0 or not (_finite(v) and -100 <= v <= 100):
                 raise RequestError("logit_bias maps token ids to biases in [-100, 100]", field="logit_bias")
 
     @property

@@ -22,6 +22,7 @@ __all__ = ["Axis", "Policy", "PolicyConfig", "PolicyStack", "causal_prefill", "d
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
+    from cotserve.policies.interface import PooledForm, PoolView
 
 
 def grouped_attention(
@@ -132,6 +133,13 @@ class Policy:
         C++ CPU kernel and its decode-time hooks keep no state: the continuous engine may then run
         this sequence's attention together with other such sequences in one `ragged_decode` call."""
         return False
+
+    def pooled_form(self, pool: PoolView) -> PooledForm | None:
+        """This policy's runtime in the continuous engine's pooled decode step, over every slot of
+        `pool`, or None: its sequences decode through the eager path (the default). Asked when a
+        sequence of this policy alone asks for a slot while the pool holds no runtime of its name;
+        None for these options lets a later sequence ask again (`interface.PooledForm`)."""
+        return None
 
 
 @dataclass

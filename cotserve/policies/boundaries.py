@@ -10,6 +10,8 @@ tokenizer (cached).
   SkipKV paper's set ("\\n", ".\\n", ")\\n", "\\n\\n", ".\\n\\n", ")\\n\\n", "?\\n\\n") and their
   vocabulary variants (a leading space, more newlines): the text, leading spaces removed, is one
   optional character of . ) ? ! : followed by one or more newlines.
+* `think_ids`: the single-token `<think>` / `</think>` ids, where the vocabulary has them (the
+  engine's thinking budget, steering's thought regions).
 """
 
 from __future__ import annotations
@@ -53,3 +55,12 @@ def sentence_end_ids(tokenizer) -> frozenset[int]:
 def thought_delimiter_ids(tokenizer) -> frozenset[int]:
     """Token ids that end a thought (newline-type delimiters, see module docstring)."""
     return _sets(tokenizer)[1]
+
+
+def think_ids(tokenizer) -> tuple[int | None, int | None]:
+    """Single-token `<think>` / `</think>` ids of this vocabulary, else None."""
+    out = []
+    for text in ("<think>", "</think>"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        out.append(int(ids[0]) if len(ids) == 1 else None)
+    return out[0], out[1]

@@ -16,6 +16,16 @@ Hooks, in the order the engine calls them for one batch:
   decode_attention(layer, q, batch)   one decode step's attention over the cache (read axis)
   after_forward(batch)                after every forward (prefill and decode); eviction runs here
   telemetry(slot)                     per-sequence numbers reported with the response
+
+One more hook is asked by the continuous engine's pooled decode step (`engine/graph_pool.py`) at
+admission, while its pool holds no runtime of that policy's name, never per step:
+
+  pooled_form(pool)                   -> the policy's runtime over every slot of the pool, or None
+
+A policy that answers it (SFI: `policies/sfi/pooled.py`) decodes its sequences in the pooled step:
+the pool keeps the runtime under the policy's name, made at the first sequence that joins, and the
+step calls it through `PooledForm` alone, so the engine never names a policy. The default (None)
+leaves the policy's sequences to the engine's eager path.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from cotserve.engine.batch import BatchState
@@ -70,3 +82,65 @@ class PolicyHooks(Protocol):
     def graph_ready(self) -> bool: ...
 
     def kernel_dense(self) -> bool: ...
+
+    def pooled_form(self, pool: PoolView) -> PooledForm | None: ...
+
+
+class PoolView(Protocol):
+    """What a pooled form is built over: the continuous engine's KV pool (`graph_pool.SlotPool`),
+    one page of `length` entries per slot at fixed addresses, the last slot the pad slot."""
+
+    length: int  # cache entries per slot
+    num_heads: int  # the model's query heads
+    scaling: float  # the attention scale
+
+    @property
+    def k(self) -> torch.Tensor: ...  # keys [layers, slots + 1, kv_heads, length, head_dim]
+
+    @property
+    def v(self) -> torch.Tensor: ...  # values, the same shape
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def capacity(self, kind: str, default: int) -> int:
+        """Entries per KV head that the runtime of `kind` holds for one sequence: the engine's
+        setting for that kind (`ContinuousEngine(pool_capacity=...)`) or the form's `default`,
+        at most a slot's length."""
+        ...
+
+
+class PooledForm(Protocol):
+    """One policy's runtime inside the pooled decode step: its state for every slot of the pool
+    at fixed addresses, shared by all of that policy's sequences. The engine calls, per sequence,
+    `fits` at admission, `join` (through the sequence's `BatchState.pool_slot`, from the policy's
+    `begin`) and `leave` when it ends; per step, outside a captured graph, `before_step` and then
+    `write_rows` (or `clear_rows` for a capture's warm-up); inside the step, per layer, `attend`."""
+
+    def fits(self, config: PolicyConfig, need: int) -> bool:
+        """Whether a sequence with these options and at most `need` cache entries can join."""
+        ...
+
+    def join(self, config: PolicyConfig, slot: int, prompt_len: int) -> Any:
+        """The sequence in pool slot `slot` joins; returns what its policy keeps as its runtime."""
+        ...
+
+    def leave(self, slot: int) -> None: ...
+
+    def before_step(self) -> None:
+        """Once per pooled step with rows of this kind, before the policies' `before_step`."""
+        ...
+
+    def write_rows(self, order: Sequence[int]) -> None:
+        """Lay out this step's rows: `order[r]` is the pool slot of row r (a slot of another kind
+        or the pad slot: a row this form leaves alone)."""
+        ...
+
+    def clear_rows(self) -> None:
+        """No row of this kind (a capture's warm-up), this step's plans kept."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """One layer's attention of this kind's rows: q, out [rows, Hq, D]; writes out[r] of its
+        rows only (the others hold the dense launch's output)."""
+        ...

@@ -44,7 +44,7 @@ import torch
 
 from cotserve.errors import CotserveError, PolicyError
 from cotserve.policies.base import Axis, Policy, PolicyConfig
-from cotserve.policies.boundaries import thought_delimiter_ids
+from cotserve.policies.boundaries import think_ids, thought_delimiter_ids
 from cotserve.policies.registry import _coerce, register
 from cotserve.policies.served import VECTOR_KEY, shipped_vector_dir
 from cotserve.policies.thoughts import DEFAULT_RULES, ThoughtRules, load_rules, thought_tracker
@@ -248,15 +248,6 @@ def request_knobs(config: SteeringConfig, extras: dict[str, Any] | None) -> _Kno
             raise PolicyError(f"per-request steering option {k}={v!r} must be finite")
         knobs[k] = val
     return _Knobs(**knobs)
-
-
-def think_ids(tokenizer) -> tuple[int | None, int | None]:
-    """Single-token `<think>` / `</think>` ids of this vocabulary, else None."""
-    out = []
-    for text in ("<think>", "</think>"):
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        out.append(int(ids[0]) if len(ids) == 1 else None)
-    return out[0], out[1]
 
 
 class SlotThoughts:

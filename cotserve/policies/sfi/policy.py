@@ -55,6 +55,7 @@ from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
+    from cotserve.policies.interface import PooledForm, PoolView
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +105,10 @@ class SFIPolicy(Policy):
         shape = cache.shape
         self.runtime = None  # the paged runtime (graph.py, pooled.py), when it serves this batch
         pool_slot = batch.pool_slot
-        if pool_slot is not None and list(batch.policy.parts) == [self]:
+        if pool_slot is not None and pool_slot.form is not None and list(batch.policy.parts) == [self]:
             # a slot of the continuous engine's pool: the pooled runtime (pooled.py), in its captured step
-            self.runtime = pool_slot.join_sfi(cfg, batch)
-            if self.runtime is not None:
-                return
+            self.runtime = pool_slot.join(cfg, batch)
+            return
         if cfg.kernel == "paged" or (cfg.kernel == "auto" and batch.cuda_graphs):
             from cotserve.policies.sfi import graph
 
@@ -182,6 +182,13 @@ class SFIPolicy(Policy):
         # (bounds [2D, pages], cache compaction epoch); bounded pages per slot
         self.bounds: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}
         self.bounded_pages = [0] * B
+
+    def pooled_form(self, pool: PoolView) -> PooledForm | None:
+        """The paged runtime over every slot of the continuous engine's pool (`pooled.py`), for
+        options it serves (`pooled.poolable`)."""
+        from cotserve.policies.sfi.pooled import pooled_form
+
+        return pooled_form(self.config, pool)
 
     # -- selection and packing -------------------------------------------------------------
     def _stash_evidence(self, layer: int, b: int, logits: torch.Tensor, row_pos: list[int], n: int,

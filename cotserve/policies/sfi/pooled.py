@@ -8,11 +8,16 @@ once: `PooledSFI` is the paged runtime (`paged.PagedSFI`: compact buffers, rings
 the batched refresh) over the whole pool, the pool read as one page per slot (`block_table[row]
 = [slot of that row]`).
 
+The engine asks for it through the policy's one pooled hook (`SFIPolicy.pooled_form` ->
+`pooled_form` here, `interface.PooledForm`): the pool builds it at the first SFI sequence that
+joins (`PooledSFI.over`), with `k` entries per KV head from the engine's capacity setting for "sfi"
+(`ContinuousEngine(pool_capacity={"sfi": k})`, default `DEFAULT_K`), and keeps it under "sfi".
+
 A sequence joins at admission (`join`: its `SlotState`, returned wrapped in a `PooledSlotSFI`,
 the object `SFIPolicy` keeps as its runtime), keeps its prompt's last query rows and takes its
 bootstrap refresh at the end of its (eager) prefill, and leaves when it finishes. Each decode
 step, outside the graph: the refreshes due from the previous step's slow steps run
-(`refresh_due`), each SFI sequence plans its row (`plan`: the same trigger and bookkeeping as
+(`refresh_due`, the form's `before_step`), each SFI sequence plans its row (`plan`: the same trigger and bookkeeping as
 `graph.NativeGraphSFI`, `graph.plan_slot`), and the engine lays the rows out in its bucket's order
 (`write_rows`: one copy each for the row tensors and the ring writes). Inside the graph, per
 layer: the ring write and the paged fast kernel over the bucket's rows (`attend`); rows of other
@@ -34,8 +39,11 @@ from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
+    from cotserve.policies.interface import PoolView
 
+KIND = "sfi"  # the runtime's key in the pool and in its capacity setting (the policy's name)
 MAX_SINKS = 16  # sinks a pooled sequence may ask for (the compact buffers' spare room)
+DEFAULT_K = 2048  # selected entries per KV head the pooled buffers hold, unless the engine sets it
 
 
 def poolable(cfg: SFIConfig) -> bool:
@@ -43,6 +51,11 @@ def poolable(cfg: SFIConfig) -> bool:
     a ring of at most W_MAX rows), sinks within MAX_SINKS, and not `kernel=torch` (which asks for
     the eager torch form)."""
     return cfg.kernel != "torch" and supported(cfg) and cfg.sinks <= MAX_SINKS
+
+
+def pooled_form(cfg: SFIConfig, pool: PoolView) -> PooledSFI | None:
+    """SFI's pooled form over `pool` (`Policy.pooled_form`), or None for options it does not serve."""
+    return PooledSFI.over(pool) if poolable(cfg) else None
 
 
 class PooledSFI(PagedSFI):
@@ -68,6 +81,10 @@ class PooledSFI(PagedSFI):
         self.writes_t = torch.zeros(3, slots, dtype=torch.long, device=dev)
         self.w_tok, self.w_slot, self.w_idx = self.writes_t.unbind(0)
         self.w_slot.fill_(self.slots)  # the pad row of the rings: nothing kept
+
+    @classmethod
+    def over(cls, pool: PoolView) -> PooledSFI:
+        return cls(pool.k, pool.v, pool.num_heads, pool.scaling, pool.capacity(KIND, DEFAULT_K), pool.tokenizer)
 
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
@@ -116,6 +133,9 @@ class PooledSFI(PagedSFI):
         """The refreshes due from the previous step's slow steps, before any row reads the compact
         buffers again."""
         self._refresh(list(self.states.values()))
+
+    def before_step(self) -> None:
+        self.refresh_due()
 
     def plan(self, st: SlotState, step: int, tokens: list[int]) -> None:
         self._planned[st.slot] = plan_slot(st, step, tokens, self.boundaries)
