@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from cotserve.errors import CotserveError
+from cotserve.vllm import compat
+from cotserve.vllm.compat import BatchUpdate, LogitsProcessor, MoveDirectionality
 from cotserve.vllm.requests import ROWS, RequestPolicy, RowRequest, request_policy_of
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,7 @@ class RowTracker(LogitsProcessor):
         # a prefix-cache hit skips the prompt's query rows SFI's first selection reads: an SFI request
         # decodes densely then, unless it computes its whole prompt (`skip_reading_prefix_cache`, which
         # `cotserve serve` sets for every SFI request, `params.reads_whole_prompt`)
-        cache = getattr(vllm_config, "cache_config", None)
-        self.prefix_caching = bool(getattr(cache, "enable_prefix_caching", False))
+        self.prefix_caching = compat.prefix_caching(vllm_config)
         self._warned = False
 
     def is_argmax_invariant(self) -> bool:
@@ -51,7 +51,7 @@ class RowTracker(LogitsProcessor):
                 pol = request_policy_of(params.extra_args) if params is not None else RequestPolicy()
             except CotserveError:  # validate_params refused it already; never reached in practice
                 pol = RequestPolicy()
-            if pol.sfi is not None and self.prefix_caching and not getattr(params, "skip_reading_prefix_cache", False):
+            if pol.sfi is not None and self.prefix_caching and not compat.skips_prefix_cache(params):
                 if not self._warned:
                     log.warning("sfi: prefix caching is on and this SFI request may read a cached prefix, so it "
                                 "decodes densely (start vLLM with --no-enable-prefix-caching, or serve it through "

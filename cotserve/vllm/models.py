@@ -13,18 +13,11 @@ registry (`register_models`), so vLLM's model code is used as it is:
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from cotserve.vllm import compat
 from cotserve.vllm.runtime_access import evict_current
 
-# vLLM class -> the module that defines it
-CLASSES = {
-    "LlamaForCausalLM": "vllm.model_executor.models.llama",
-    "Qwen2ForCausalLM": "vllm.model_executor.models.qwen2",
-    "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3",
-}
 # architecture names (as in a model's config.json, or vLLM's default for a config without them) -> class
 ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaForCausalLM",
@@ -78,15 +71,13 @@ def _wrapped(base: type) -> type:
 def __getattr__(name: str) -> type:
     """`CotserveLlamaForCausalLM` etc., built on first use (the vLLM modules load lazily)."""
     base = name.removeprefix("Cotserve")
-    if name.startswith("Cotserve") and base in CLASSES:
-        cls = _wrapped(getattr(importlib.import_module(CLASSES[base]), base))
+    if name.startswith("Cotserve") and base in compat.MODEL_CLASSES:
+        cls = _wrapped(compat.model_class(base))
         globals()[name] = cls
         return cls
     raise AttributeError(name)
 
 
 def register_models() -> None:
-    from vllm import ModelRegistry
-
     for arch, base in ARCHITECTURES.items():
-        ModelRegistry.register_model(arch, f"{__name__}:Cotserve{base}")
+        compat.register_model(arch, f"{__name__}:Cotserve{base}")
