@@ -54,6 +54,7 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     os.environ["COTSERVE_VLLM_TELEMETRY"] = str(tele_path)
     import torch
 
+    from cotserve.vllm.architectures import hf_overrides
     from cotserve.vllm.compat import LLM, SamplingParams
 
     max_len = prompt_tokens + new_tokens + 16
@@ -68,6 +69,7 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     if dummy:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     text = replay_setup(replay, kwargs, dummy, data_dir)
+    kwargs["hf_overrides"] = hf_overrides(folder)  # cotserve's model classes (SkipKV's hidden states)
     if torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"
     t0 = time.perf_counter()

@@ -111,6 +111,7 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     os.environ["COTSERVE_VLLM_TELEMETRY"] = str(tele_path)
     import torch
 
+    from cotserve.vllm.architectures import hf_overrides
     from cotserve.vllm.compat import LLM, SamplingParams
 
     max_len = max(contexts) + new_tokens + 16
@@ -122,6 +123,8 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     if dummy:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     text = replay_setup(replay, kwargs, dummy, data_dir)
+    if plugin:
+        kwargs["hf_overrides"] = hf_overrides(folder)  # cotserve's model classes
     if plugin and torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"
     t0 = time.perf_counter()

@@ -91,8 +91,9 @@ def platform_name() -> str:
 # -- registration (`cotserve.vllm.register`) -------------------------------------------------------
 def register_attention_backend(platform: str, class_path: str) -> None:
     """Put cotserve's backend in vLLM's attention registry: on CPU over `CPU_ATTN` (vLLM's CPU
-    platform ignores `--attention-backend`, so that is the only way in), on CUDA as `CUSTOM`
-    (selected with `--attention-backend CUSTOM`)."""
+    platform ignores `--attention-backend`, so that is the only way in; the backend is vLLM's own
+    for an engine that did not ask for cotserve, `architectures.asks_for_cotserve`), on CUDA as
+    `CUSTOM` (selected with `--attention-backend CUSTOM`)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     slot = AttentionBackendEnum.CPU_ATTN if platform == "cpu" else AttentionBackendEnum.CUSTOM
@@ -297,7 +298,8 @@ def attention_layers(vllm_config) -> list:
 
 
 def layer_cache(layer):
-    """A layer's paged KV cache tensor (a list of one per virtual engine in 0.26, a tensor in 0.32)."""
+    """A layer's paged KV cache tensor (a tensor in 0.32; a list of one per virtual engine in
+    versions that have them)."""
     kv = layer.kv_cache
     return kv[0] if isinstance(kv, (list, tuple)) else kv
 
@@ -321,8 +323,9 @@ def flash_head_size(builder) -> int:
 
 
 # -- attention metadata (`CommonAttentionMetadata`) ------------------------------------------------
-# host copies of the sequence lengths vLLM's metadata may carry: `seq_lens_cpu` (0.26; in some
-# versions a read-only property over the field `_seq_lens_cpu`), `seq_lens_cpu_upper_bound` (0.32)
+# host copies of the sequence lengths vLLM's metadata may carry, by version: `seq_lens_cpu` (not in
+# 0.32; in some versions a read-only property over the field `_seq_lens_cpu`),
+# `seq_lens_cpu_upper_bound` (0.32)
 HOST_LENS = ("seq_lens_cpu", "seq_lens_cpu_upper_bound")
 
 

@@ -34,6 +34,7 @@ from cotserve.engine.native import Completion, Delta, GenRequest
 from cotserve.errors import EngineDead, ModelError, PolicyError, RequestError
 from cotserve.policies.base import PolicyStack
 from cotserve.vllm import compat
+from cotserve.vllm.architectures import hf_overrides
 from cotserve.vllm.failures import is_engine_dead
 from cotserve.vllm.gpu_memory import COTSERVE_CONFIG
 from cotserve.vllm.kv_capacity import KVCapacity
@@ -186,6 +187,13 @@ class VLLMEngine:
         if not isinstance(given, dict):
             raise ModelError("--vllm-arg additional_config takes a JSON object")
         kwargs["additional_config"] = {**given, COTSERVE_CONFIG: {"engine": True}}
+        # cotserve's model classes (final hidden states, steering) under cotserve's architecture names
+        overrides = hf_overrides(path)
+        given = kwargs.get("hf_overrides")
+        if overrides and given is None:
+            kwargs["hf_overrides"] = overrides
+        elif overrides and isinstance(given, dict) and "architectures" not in given:
+            kwargs["hf_overrides"] = {**given, **overrides}
         for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                      "async_scheduling", "enable_prefix_caching", "kv_cache_dtype", "quantization"):
             value = getattr(opts, name)
