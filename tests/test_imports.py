@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import subprocess
 import sys
 import tokenize
@@ -231,3 +232,98 @@ def test_the_policy_interface_imports_no_torch():
     code = f"import sys\nimport {mod}\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+# -- vLLM: one module holds every import of it and every internal the plugin touches --------------
+COMPAT = "cotserve.vllm.compat"
+# `._name` accesses under cotserve/vllm on objects cotserve did not define, and why (keep it short)
+PRIVATE_ALLOWED: dict[str, str] = {}
+
+
+def _is_vllm(name: str) -> bool:
+    return _under(name, "vllm")
+
+
+def _defined_names(skip: str) -> set[str]:
+    """Every name cotserve defines (functions, classes, assigned names and attributes, arguments),
+    except in `skip`: a private name found here is cotserve's own."""
+    names: set[str] = set()
+    for module, path in MODULES.items():
+        if module == skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return names
+
+
+def _private_uses(path: Path, own: set[str]) -> list[str]:
+    """`x._name` (and getattr/setattr/hasattr with "_name") where cotserve defines no `_name`, and
+    any `super()._name` (a base class's private member: a vLLM one under cotserve/vllm)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        name = None
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+            base = node.value
+            if (isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super"
+                    and name.startswith("_") and not name.startswith("__")):
+                bad.append(f"{path.name}:{node.lineno} super().{name}")
+                continue
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            name = node.args[1].value
+        if name and name.startswith("_") and not name.startswith("__") and name not in own:
+            bad.append(f"{path.name}:{node.lineno} .{name}")
+    return bad
+
+
+def _string_imports(path: Path) -> list[str]:
+    """Modules named in strings, to be imported by name (`importlib.import_module(...)`, a table of
+    module paths): every string constant but docstrings that reads as a dotted module path."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs and re.fullmatch(r"\w+(\.\w+)+(:\w+)?", n.value)]
+
+
+def test_only_the_compat_module_imports_vllm():
+    assert COMPAT in MODULES
+    assert any(_is_vllm(t) for t in _targets(COMPAT))
+    bad = [f"{m} -> {t}" for m in MODULES if m != COMPAT for t in _targets(m) if _is_vllm(t)]
+    bad += [f"{m} -> {t}" for m, p in MODULES.items() if m != COMPAT for t in _string_imports(p) if _is_vllm(t)]
+    assert not bad, f"import vLLM's names from {COMPAT}: {bad}"
+    # the compat module loads nothing of vLLM (nor torch) when imported: its imports run in functions
+    assert not [t for t in _targets(COMPAT, top_only=True) if _is_vllm(t) or _under(t, "torch")]
+
+
+def test_no_module_but_compat_touches_vllm_private_names():
+    own = _defined_names(skip=COMPAT)
+    bad = []
+    for module, path in MODULES.items():
+        if _under(module, "cotserve.vllm") and module != COMPAT:
+            bad += [b for b in _private_uses(path, own) if b not in PRIVATE_ALLOWED]
+    assert not bad, f"vLLM internals belong in {COMPAT}: {bad}"
+    unused = [k for k in PRIVATE_ALLOWED if not any(k in _private_uses(p, own) for p in MODULES.values())]
+    assert not unused, f"no longer needed: remove them from PRIVATE_ALLOWED: {unused}"
+
+
+def test_the_private_name_check_finds_what_it_looks_for(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("class S(Base):\n    def f(self):\n        self.kv._vllm_private_field = None\n"
+                      "        getattr(x, '_vllm_other', None)\n        return super()._preempt_request()\n"
+                      "    def g(self):\n        return self._own_thing\n")
+    own = {"_own_thing"}
+    assert sorted(_private_uses(sample, own)) == ["sample.py:3 ._vllm_private_field", "sample.py:4 ._vllm_other",
+                                                 "sample.py:5 super()._preempt_request"]
+    sample.write_text('"""vllm.docs only"""\nimport importlib\nimportlib.import_module("vllm.model_executor.models.llama")\n'
+                      'CLASSES = {"Q": "vllm.model_executor.models.qwen3"}\n')
+    assert [s for s in _string_imports(sample) if _is_vllm(s)] == ["vllm.model_executor.models.llama",
+                                                                   "vllm.model_executor.models.qwen3"]

@@ -38,8 +38,11 @@ def vllm_tokens(loaded, prompt):
     from vllm import LLM
     from vllm import SamplingParams as VSP
 
+    from cotserve.vllm.architectures import hf_overrides
+
     llm = LLM(model=str(loaded.path), dtype="float32", max_model_len=CTX + NEW + 16, enable_prefix_caching=False,
-              max_num_seqs=4, seed=0, enforce_eager=True, kv_cache_memory_bytes=512 << 20)
+              max_num_seqs=4, seed=0, enforce_eager=True, kv_cache_memory_bytes=512 << 20,
+              hf_overrides=hf_overrides(loaded.path))  # cotserve's model class: the engine asks for cotserve
     try:
         dense = VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True)
         sfi = VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True,

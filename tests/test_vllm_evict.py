@@ -67,8 +67,11 @@ def prompts(loaded, data_dir):
 def _llm(loaded, kv_bytes: int):
     from vllm import LLM
 
+    from cotserve.vllm.architectures import hf_overrides
+
     return LLM(model=str(loaded.path), dtype="float32", max_model_len=CTX + NEW + 16, enable_prefix_caching=False,
-               max_num_seqs=4, seed=0, enforce_eager=True, kv_cache_memory_bytes=kv_bytes, scheduler_cls=SCHEDULER)
+               max_num_seqs=4, seed=0, enforce_eager=True, kv_cache_memory_bytes=kv_bytes, scheduler_cls=SCHEDULER,
+               hf_overrides=hf_overrides(loaded.path))  # cotserve's model class: hidden states, steering
 
 
 def _params(policy: str | None, options: dict | None = None):

@@ -95,9 +95,10 @@ def test_a_plain_vllm_with_prefix_caching_decodes_sfi_densely(caplog):
     from cotserve.vllm.logitsproc import RowTracker
     from cotserve.vllm.requests import BatchRows
 
+    ours = SimpleNamespace(architectures=["CotserveLlamaForCausalLM"])  # an engine that asks for cotserve
     for caching in (True, False):
-        tracker = RowTracker(SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=caching)),
-                             torch.device("cpu"), False)
+        tracker = RowTracker(SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=caching),
+                                             model_config=ours), torch.device("cpu"), False)
         tracker.rows = BatchRows()
         params = SamplingParams(max_tokens=4, extra_args={"cotserve_policy": "sfi"})
         tracker.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
@@ -107,6 +108,37 @@ def test_a_plain_vllm_with_prefix_caching_decodes_sfi_densely(caplog):
         tracker.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=[(2, whole, [1, 2, 3], [])]))
         assert tracker.rows.rows[2].sfi is not None
     assert sum("prefix caching is on" in r.message for r in caplog.records) == 1
+
+
+def test_an_engine_that_did_not_ask_for_cotserve_gets_no_policy():
+    """On a plain vLLM engine (vLLM's own model class, not started by cotserve) the row tracker gives
+    no request a policy, even one whose extra_args ask for SFI or an eviction: cotserve's attention
+    backend then runs vLLM's attention alone. cotserve's model class or cotserve's additional_config
+    key turns it on."""
+    from types import SimpleNamespace as NS
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from cotserve.vllm.gpu_memory import COTSERVE_CONFIG
+    from cotserve.vllm.logitsproc import RowTracker
+    from cotserve.vllm.requests import BatchRows
+
+    cache = NS(enable_prefix_caching=False)
+    plain = NS(cache_config=cache, model_config=NS(architectures=["LlamaForCausalLM"]), additional_config={})
+    by_class = NS(cache_config=cache, model_config=NS(architectures=["CotserveLlamaForCausalLM"]))
+    by_cotserve = NS(cache_config=cache, model_config=NS(architectures=["MistralForCausalLM"]),
+                     additional_config={COTSERVE_CONFIG: {"engine": True}})
+    asked = [SamplingParams(max_tokens=4, extra_args={"cotserve_policy": p}) for p in ("sfi", "skipkv", "h2o")]
+    for config, engaged in ((plain, False), (by_class, True), (by_cotserve, True)):
+        tracker = RowTracker(config, torch.device("cpu"), False)
+        tracker.rows = BatchRows()
+        tracker.update_state(BatchUpdate(batch_size=3, removed=[], moved=[],
+                                         added=[(i, p, [1, 2, 3], []) for i, p in enumerate(asked)]))
+        rows = tracker.rows.rows
+        assert len(rows) == 3
+        assert all((r.sfi, r.evict, r.steer) == (None, None, None) for r in rows.values()) != engaged
 
 
 def test_additional_config_must_be_an_object():

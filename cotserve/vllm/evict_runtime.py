@@ -43,6 +43,7 @@ from cotserve.policies.boundaries import thought_delimiter_ids
 from cotserve.policies.rkv import rkv_scores
 from cotserve.policies.scoring import protected_top
 from cotserve.policies.skipkv import SentenceTrack
+from cotserve.vllm.compat import host_lens, metadata_with, set_host_lens
 from cotserve.vllm.eviction_ledger import EvictionLedger, cdiv
 from cotserve.vllm.h2o_scores import H2OScores
 from cotserve.vllm.requests import MAX_EVICT_WINDOW, BatchRows, RowRequest, h2o_max_len
@@ -56,21 +57,6 @@ SCORE_FLOATS = 1 << 27
 GROUP_ELEMENTS = 1 << 30
 # requests that left the batch keep their state (they may come back) up to this many per ring slot
 ORPHANS_PER_SLOT = 16
-
-
-# host copies of the sequence lengths that vLLM's metadata may carry (by version)
-HOST_LENS = ("seq_lens_cpu", "seq_lens_cpu_upper_bound")
-
-
-def host_lens(cm) -> torch.Tensor:
-    """The step's logical sequence lengths on the host."""
-    if cm.seq_lens.device.type == "cpu":
-        return cm.seq_lens
-    for name in HOST_LENS:
-        t = getattr(cm, name, None)
-        if t is not None:
-            return t
-    return cm.seq_lens.cpu()
 
 
 class PagedRW(Protocol):
@@ -516,8 +502,6 @@ class EvictRuntime:
     def _rewrite(self, cm, rewrite, new_lens: list[int], block_size: int):
         """Sequence lengths, block-table rows and the new tokens' slots in physical terms, computed
         on the table's device (no host copy of the table)."""
-        import copy
-
         nr = cm.num_reqs
         table = cm.block_table_tensor
         dev = table.device
@@ -551,28 +535,17 @@ class EvictRuntime:
         tab = torch.gather(table[ridx, :], 1, live_idx)  # entries past a row's live blocks are never read
         slots = tab[rows_t, tp // block_size].to(cm.slot_mapping.dtype) * block_size + tp % block_size
         lens_t = host[at + 3 * ntk:].to(cm.seq_lens.dtype)
-        out = copy.copy(cm)
         if self.inplace:  # CUDA: the persistent tensors a captured graph reads
             cm.seq_lens[:nr].copy_(d[at + 3 * ntk:])
             table[ridx.unsqueeze(1), torch.arange(width, device=dev)] = tab
+            out = metadata_with(cm)
         else:  # CPU: vLLM's block table tensor is its own host copy; rewrite copies
-            out.seq_lens = cm.seq_lens.clone()
-            out.seq_lens[:nr] = lens_t
-            out.block_table_tensor = table.clone()
-            out.block_table_tensor[ridx.unsqueeze(1), torch.arange(width, device=dev)] = tab
+            seq_lens, new_table = cm.seq_lens.clone(), table.clone()
+            seq_lens[:nr] = lens_t
+            new_table[ridx.unsqueeze(1), torch.arange(width, device=dev)] = tab
+            out = metadata_with(cm, seq_lens=seq_lens, block_table_tensor=new_table)
         cm.slot_mapping[sidx] = slots  # vLLM recomputes it every step; its KV write reads this tensor
-        for name in HOST_LENS:
-            if getattr(cm, name, None) is not None:
-                t = getattr(cm, name).clone()
-                t[:nr] = lens_t
-                for attr in (name, "_" + name):  # a read-only property in some versions: its field
-                    try:
-                        setattr(out, attr, t)
-                        break
-                    except AttributeError:
-                        continue
-        if hasattr(out, "_num_computed_tokens_cache"):
-            out._num_computed_tokens_cache = None
+        set_host_lens(out, cm, nr, lens_t)
         return out
 
     # -- per layer (attention forward) -----------------------------------------------------------

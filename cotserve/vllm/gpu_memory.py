@@ -38,8 +38,9 @@ COTSERVE_CONFIG = "cotserve"
 
 
 def started_by_cotserve(vllm_config) -> bool:
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    return bool(isinstance(extra, dict) and (extra.get(COTSERVE_CONFIG) or {}).get("engine"))
+    from cotserve.vllm.compat import additional_config
+
+    return bool((additional_config(vllm_config).get(COTSERVE_CONFIG) or {}).get("engine"))
 
 
 def sfi_slots(max_num_seqs: int, prefix_caching: bool, by_cotserve: bool) -> int:

@@ -72,10 +72,11 @@ class KVCapacity:
 
     def total_tokens(self) -> int | None:
         """KV tokens vLLM allocated (all engines), or None before it sized its cache."""
+        from cotserve.vllm.compat import kv_cache_size
+
         with self._lock:
-            cache = getattr(self._config, "cache_config", None)
-        blocks = getattr(cache, "num_gpu_blocks", None)
-        block_size = getattr(cache, "block_size", None)
+            config = self._config
+        blocks, block_size = kv_cache_size(config)
         if not blocks or not block_size:
             return None
         return int(blocks) * int(block_size)
@@ -92,7 +93,7 @@ class KVCapacity:
     def logger_factory(self):
         """A per-engine stat logger class for `AsyncLLM.from_engine_args(stat_loggers=[...])` that
         feeds this object (imports vLLM)."""
-        from vllm.v1.metrics.loggers import StatLoggerBase
+        from cotserve.vllm.compat import StatLoggerBase, preempted_count, prefix_cache_counts
 
         capacity = self
 
@@ -104,11 +105,10 @@ class KVCapacity:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if scheduler_stats is not None:
                     capacity.observe(engine_idx, scheduler_stats.kv_cache_usage)
-                    pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
-                    capacity.count(prefix_queries=getattr(pcs, "queries", 0) or 0,
-                                   prefix_hits=getattr(pcs, "hits", 0) or 0)
+                    queries, hits = prefix_cache_counts(scheduler_stats)
+                    capacity.count(prefix_queries=queries, prefix_hits=hits)
                 if iteration_stats is not None:
-                    capacity.count(preempted=getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+                    capacity.count(preempted=preempted_count(iteration_stats))
 
             def log_engine_initialized(self) -> None:
                 pass

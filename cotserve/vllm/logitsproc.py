@@ -1,8 +1,10 @@
 """`RowTracker`: a vLLM logits processor that changes no logits and tracks the batch's rows.
 
 Loaded by entry point (`vllm.logits_processors`), so every engine in an environment with cotserve
-installed has it. `validate_params` refuses, when a request arrives, a cotserve policy the vLLM
-engine cannot run (the client gets a 400 from vLLM's server, a `RequestError` from cotserve's).
+installed has it; on an engine that did not ask for cotserve (`architectures.asks_for_cotserve`)
+it gives no request a policy, so cotserve's attention backend runs exactly vLLM's attention there.
+`validate_params` refuses, when a request arrives, a cotserve policy the vLLM engine cannot run
+(the client gets a 400 from vLLM's server, a `RequestError` from cotserve's).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import logging
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from cotserve.errors import CotserveError
+from cotserve.vllm import compat
+from cotserve.vllm.architectures import asks_for_cotserve
+from cotserve.vllm.compat import BatchUpdate, LogitsProcessor, MoveDirectionality
 from cotserve.vllm.requests import ROWS, RequestPolicy, RowRequest, request_policy_of
 
 log = logging.getLogger(__name__)
@@ -28,11 +32,11 @@ class RowTracker(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.rows = ROWS
+        self.engaged = asks_for_cotserve(vllm_config)
         # a prefix-cache hit skips the prompt's query rows SFI's first selection reads: an SFI request
         # decodes densely then, unless it computes its whole prompt (`skip_reading_prefix_cache`, which
         # `cotserve serve` sets for every SFI request, `params.reads_whole_prompt`)
-        cache = getattr(vllm_config, "cache_config", None)
-        self.prefix_caching = bool(getattr(cache, "enable_prefix_caching", False))
+        self.prefix_caching = compat.prefix_caching(vllm_config)
         self._warned = False
 
     def is_argmax_invariant(self) -> bool:
@@ -48,10 +52,11 @@ class RowTracker(LogitsProcessor):
             self.rows.remove(index)
         for index, params, prompt_ids, output_ids in batch_update.added:
             try:
-                pol = request_policy_of(params.extra_args) if params is not None else RequestPolicy()
+                engaged = self.engaged and params is not None
+                pol = request_policy_of(params.extra_args) if engaged else RequestPolicy()
             except CotserveError:  # validate_params refused it already; never reached in practice
                 pol = RequestPolicy()
-            if pol.sfi is not None and self.prefix_caching and not getattr(params, "skip_reading_prefix_cache", False):
+            if pol.sfi is not None and self.prefix_caching and not compat.skips_prefix_cache(params):
                 if not self._warned:
                     log.warning("sfi: prefix caching is on and this SFI request may read a cached prefix, so it "
                                 "decodes densely (start vLLM with --no-enable-prefix-caching, or serve it through "

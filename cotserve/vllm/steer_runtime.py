@@ -61,11 +61,9 @@ def engine_vector():
 
 
 def _decoder_layers(model) -> list:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise RuntimeError(f"{type(model).__name__}: no decoder layers at .model.layers to steer")
-    return list(layers)
+    from cotserve.vllm.compat import decoder_layers
+
+    return decoder_layers(model)
 
 
 def install(model, vllm_config) -> None:
