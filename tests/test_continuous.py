@@ -1,9 +1,9 @@
 """Continuous batching (`cotserve/engine/continuous.py`) on the bundled model, float32, greedy.
 
 The reference is the static engine running a sequence alone (`NativeEngine.generate` with a
-batch of one): a sequence that joins a running batch mid-way, beside sequences that leave before
-it, must produce the same tokens, for dense and for every policy (options small enough that each
-one acts within a few tokens: compactions, sparse fast steps, routed groups, steering)."""
+batch of one): chunked prefill beside a decoding sequence, cancellation, seeds and errors, and an
+evicting sequence's memory handed back. A sequence joining a running batch, for every policy, is a
+column of tests/test_policy_matrix.py."""
 
 from __future__ import annotations
 
@@ -18,65 +18,13 @@ from cotserve.errors import RequestError
 NEW = 10
 PROMPTS = ["The sky is blue because", "Hi there, my friend.", "Two prime numbers are"]
 
-# options small enough that each policy acts within these few tokens (compactions, sparse fast
-# steps, routed groups, steering)
-POLICIES = {
-    "dense": {},
-    "sfi": {"recent": 4, "k": 4, "max_interval": 3},
-    "skipkv": {"budget": 10, "interval": 2, "window": 4},
-    "rkv": {"budget": 10, "interval": 2, "window": 4},
-    "h2o": {"budget": 10},
-    "streamingllm": {"budget": 10},
-    "snapkv": {"budget": 3, "window": 2},
-    "quest": {"budget": 8, "page_size": 2, "dense_layers": 1},
-    "sinkrouter": {},
-    "steering": {"gamma": 0.5},
-    "oracle_topk": {"k": 4, "recent": 2},
-    "skipkv+sfi+steering": {"skipkv.budget": 10, "skipkv.interval": 2, "skipkv.window": 4, "sfi.k": 4,
-                            "sfi.recent": 4, "steering.gamma": 0.5},
-}
+# the evicting policies' options (every policy joining a running batch: tests/test_policy_matrix.py)
+EVICT = {"skipkv": {"budget": 10, "interval": 2, "window": 4}, "h2o": {"budget": 10}}
 
 
 def _req(engine, prompt: str, n: int = NEW) -> GenRequest:
     return GenRequest(engine.encode_prompt(prompt, chat=False),
                       SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-
-
-@pytest.fixture(scope="module")
-def mixed(engine):
-    """One continuous run over a pool of 6 slots: for every policy, a sequence joins at its own
-    step (two policies per step), while sequences of earlier policies are decoding and leaving.
-    Returns {policy: completion} and the most sequences that shared a step."""
-    ce = ContinuousEngine(engine, slots=6, prefill_chunk=8)
-    reqs = {p: _req(engine, PROMPTS[i % len(PROMPTS)]) for i, p in enumerate(POLICIES)}
-    names = list(POLICIES)
-    results = {}
-    busiest = [0]
-
-    def on_step(i: int) -> None:
-        for p in names[2 * i : 2 * i + 2]:
-            ce.submit(reqs[p], p, POLICIES[p])
-        busiest[0] = max(busiest[0], len(ce.running))
-
-    for deltas in ce.run(on_step):
-        for d in deltas:
-            if d.result is not None:
-                results[d.request_id] = d.result
-    return {p: results[r.request_id] for p, r in reqs.items()}, busiest[0]
-
-
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_joining_a_running_batch_gives_the_tokens_of_decoding_alone(engine, mixed, policy):
-    results, busiest = mixed
-    assert busiest == 6  # the pool was full: sequences joined a running batch
-    prompt = PROMPTS[list(POLICIES).index(policy) % len(PROMPTS)]
-    alone = engine.generate([_req(engine, prompt)], policy, POLICIES[policy])[0]
-    got = results[policy]
-    assert got.token_ids == alone.token_ids and len(got.token_ids) == NEW
-    assert got.telemetry["policy"] == alone.telemetry["policy"]
-    assert got.telemetry["kv_bytes_final"] == alone.telemetry["kv_bytes_final"]
-    if policy in ("skipkv", "rkv", "h2o", "streamingllm", "skipkv+sfi+steering"):  # it evicted while decoding
-        assert got.telemetry["kv_bytes_final"] < got.telemetry["kv_bytes_peak"]
 
 
 def test_chunked_prefill_interleaves_with_decode_and_matches_the_whole_prompt(engine):
@@ -148,7 +96,7 @@ def test_an_evicting_sequence_hands_back_its_prompts_memory(engine, policy):
     """A prompt longer than the budget is allocated whole at admission; once the cache has
     compacted below budget + interval the continuous engine reallocates it to that size, and the
     tokens stay those of decoding alone."""
-    opts = POLICIES[policy]
+    opts = EVICT[policy]
     prompt = " ".join(PROMPTS * 6)
     req = _req(engine, prompt, n=8)
     assert len(req.prompt_ids) > 3 * opts["budget"]

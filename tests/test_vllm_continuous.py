@@ -28,22 +28,10 @@ LENGTHS = [12, 40, 24, 56, 16, 48, 20, 36, 28, 60, 14, 44]  # mixed: finishing t
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    import os
-
-    from cotserve.vllm.engine import VLLMEngine, VLLMOptions
-
-    stats = tmp_path_factory.mktemp("sched") / "steps.txt"
-    os.environ["COTSERVE_VLLM_SCHED_STATS"] = str(stats)  # read by vLLM's engine process at start
-    try:
-        eng = VLLMEngine("smollm2-135m-instruct", dtype="float32",
-                         options=VLLMOptions(max_num_seqs=SEQS, max_model_len=1024, enforce_eager=True,
-                                             extra={"kv_cache_memory_bytes": 256 << 20}))
-    finally:
-        os.environ.pop("COTSERVE_VLLM_SCHED_STATS", None)
-    eng.stats_path = stats
-    yield eng
-    eng.close()
+def engine(vllm_engine):
+    """The test run's shared vLLM engine (tests/conftest.py): max_num_seqs 4, max_model_len 1024."""
+    assert vllm_engine.max_batch == SEQS
+    return vllm_engine
 
 
 def _jobs(engine, q) -> list[Job]:
