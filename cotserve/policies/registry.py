@@ -28,7 +28,7 @@ from cotserve.policies.options import (
 )
 
 __all__ = ["REGISTRY", "RENAMED", "SERVER_ONLY_OPTIONS", "OptionError", "available", "build_policy", "make_config",
-           "parse_options", "register", "server_only_keys"]
+           "parse_options", "register", "runs_on", "server_only_keys"]
 
 REGISTRY: dict[str, type[Policy]] = {}
 
@@ -61,6 +61,12 @@ def _load_all() -> None:
 def available() -> list[str]:
     _load_all()
     return sorted(REGISTRY)
+
+
+def runs_on(*runtimes: str) -> list[str]:
+    """The policies that declare one of `runtimes` (`Policy.runtimes`, `interface.Runtime`), sorted."""
+    _load_all()
+    return sorted(name for name, cls in REGISTRY.items() if cls.runtimes & set(runtimes))
 
 
 def _coerce(value: Any, target: Any) -> Any:
