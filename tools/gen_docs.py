@@ -2,7 +2,8 @@
 
 * `docs/policies/<name>.md`: the option table between the `<!-- options:begin -->` and
   `<!-- options:end -->` markers, built from the policy's typed options model in
-  `cotserve/policies/options.py` (name, type, default, range, description).
+  `cotserve/policies/options.py` (name, type, default, range, description), and where the
+  policy runs (`Policy.runtimes`).
 * `docs/cli.md`: the whole page, from the Typer app (`cotserve.cli.app`).
 
     python tools/gen_docs.py           # rewrite the generated parts
@@ -141,7 +142,21 @@ def options_table(policy_cls: type) -> str:
     if renamed:
         pairs = ", ".join(f"`{old}` (now `{new}`)" for old, new in sorted(renamed.items()))
         rows.append(f"\nRenamed options, refused with a hint: {pairs}.")
+    rows.append(f"\nRuns on: {runtimes_line(policy_cls)}.")
     return "\n".join(rows)
+
+
+def runtimes_line(policy_cls: type) -> str:
+    """Where a policy runs, from its declaration (`Policy.runtimes`)."""
+    from cotserve.policies.interface import Runtime
+
+    names = {Runtime.NATIVE_STATIC: "the native engine's static batches",
+             Runtime.NATIVE_CONTINUOUS: "its continuous batching", Runtime.VLLM_CPU: "the vLLM engine on CPU",
+             Runtime.VLLM_CUDA: "the vLLM engine on CUDA"}
+    unknown = sorted(set(policy_cls.runtimes) - set(names))
+    if unknown:
+        raise SystemExit(f"{policy_cls.name}: runtimes {unknown} have no name in tools/gen_docs.py")
+    return ", ".join(label for runtime, label in names.items() if runtime in policy_cls.runtimes)
 
 
 def undocumented_options() -> list[str]:

@@ -16,6 +16,7 @@ from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import CotserveError
 from cotserve.models import load_model
+from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.registry import build_policy, parse_options
 
 
@@ -69,7 +70,8 @@ def time_continuous(engine: NativeEngine, prompts: list[list[int]], new_tokens: 
     from cotserve.engine.continuous import ContinuousEngine
 
     # the pool's SFI buffers hold the k the run asks for (the pooled form's capacity setting)
-    k = int(options.get("k", options.get("sfi.k", 2048))) if "sfi" in policy.split("+") else 2048
+    k = option_default(SFIOptions, "k")
+    k = int(options.get("k", options.get("sfi.k", k))) if "sfi" in policy.split("+") else k
     longest = max(len(p) for p in prompts)
     ce = ContinuousEngine(engine, slots=len(prompts), prefill_chunk=longest * len(prompts), static_step=static_step,
                           pool_len=longest + new_tokens + 1, pool_capacity={"sfi": k})

@@ -85,7 +85,7 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
               for _ in range(layers)]
     rt = GraphSFI(caches, hq, hkv, d, 0.088, torch.bfloat16, dev, slots=j, max_rows=j, rows=BatchRows())
     rt.ring.normal_()
-    cfg = SFIConfig(k=2048, recent=256)
+    cfg = SFIConfig()  # SFI's defaults
     blocks = torch.randperm(nb, device=dev)[: j * (n // bs)].view(j, -1).to(torch.int32)
     w = ring_size(cfg)
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from cotserve.policies.interface import Axis, PolicyConfig
+from cotserve.policies.interface import Axis, PolicyConfig, Runtime
 
 __all__ = ["Axis", "Policy", "PolicyConfig", "PolicyStack", "causal_prefill", "dense_decode", "grouped_attention"]
 
@@ -77,6 +77,8 @@ class Policy:
     name: ClassVar[str] = "base"
     axis: ClassVar[str] = Axis.READ
     config_cls: ClassVar[type[PolicyConfig]] = PolicyConfig
+    # where it runs (`interface.Runtime`): natively by default; a policy the vLLM engine runs says so
+    runtimes: ClassVar[frozenset[str]] = Runtime.NATIVE
     # True when every decode-time hook is static-shaped and free of host syncs, so the engine may
     # capture the decode step in a CUDA graph. Policies with slow steps / compaction leave it False.
     graph_safe: ClassVar[bool] = False

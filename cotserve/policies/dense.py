@@ -12,30 +12,25 @@ each row used (`Policy.describe`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cotserve.kernels import cpu_decode
-from cotserve.policies.base import Axis, Policy, PolicyConfig, grouped_attention
+from cotserve.policies.base import Axis, Policy, PolicyConfig, Runtime, grouped_attention
+from cotserve.policies.options import DenseOptions, check_config, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
-DENSE_KERNELS = ("auto", "torch")
 
-
-@dataclass
+@options_config(DenseOptions)
 class DenseConfig(PolicyConfig):
-    # auto: the C++ CPU kernel on a CPU with a float32 cache where it builds, the Triton kernel on
-    # CUDA, torch otherwise | torch: the plain torch reference everywhere
-    kernel: str = "auto"
+    """`DenseOptions`: the decode implementation (`kernel`)."""
 
     def validate(self) -> None:
-        if self.kernel not in DENSE_KERNELS:
-            raise ValueError(f"kernel must be one of {', '.join(DENSE_KERNELS)} (got {self.kernel!r})")
+        check_config(self)
 
 
 def kernel_dense_decode(q: torch.Tensor, batch: BatchState, layer: int) -> torch.Tensor:
@@ -61,6 +56,7 @@ class DensePolicy(Policy):
     name = "dense"
     axis = Axis.READ
     config_cls = DenseConfig
+    runtimes = Runtime.ALL
     config: DenseConfig
     graph_safe = True  # on CUDA the engine's default (Triton) step runs
     prefill_shareable = True  # no per-sequence state from the prefill: n copies can share one

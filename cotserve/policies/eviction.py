@@ -40,7 +40,6 @@ thoughts, classified by the rules of the `thought_rules` file (default: `thought
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +47,7 @@ import torch
 from cotserve.errors import CotserveError
 from cotserve.policies.base import Axis, Policy, PolicyConfig
 from cotserve.policies.boundaries import thought_delimiter_ids
+from cotserve.policies.options import EvictionOptions, check_config, options_config
 from cotserve.policies.scoring import protected_top
 from cotserve.policies.thoughts import load_rules, thought_tracker
 
@@ -182,28 +182,12 @@ class ScoredEviction(Policy):
                 "retained_ratio": round(held / seen, 4) if seen else 1.0}
 
 
-@dataclass
+@options_config(EvictionOptions)
 class EvictionConfig(PolicyConfig):
-    """budget: KV entries kept per sequence, layer and KV head after a compaction.
-    interval: decode steps between compactions (N); memory stays at most budget + interval.
-    window: the most recent entries always kept, and the number of observation queries (w).
-    compact_prefill: compact right after prefill when the prompt exceeds the budget.
-    thought_rules: YAML/JSON file of thought classification rules (`thoughts.load_rules`);
-    "" = the defaults."""
-
-    budget: int = 1024
-    interval: int = 128
-    window: int = 8
-    compact_prefill: bool = True
-    thought_rules: str = ""
+    """`EvictionOptions`: the options every budget eviction policy shares (rkv, skipkv)."""
 
     def validate(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.budget <= self.window:
-            raise ValueError(f"budget ({self.budget}) must be larger than window ({self.window})")
-        if self.interval < 1:
-            raise ValueError(f"interval must be >= 1, got {self.interval}")
+        check_config(self)
         if self.thought_rules:
             try:
                 load_rules(self.thought_rules)

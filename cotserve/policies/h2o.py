@@ -23,12 +23,11 @@ Here, per KV head:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from cotserve.policies.base import PolicyConfig
+from cotserve.policies.base import PolicyConfig, Runtime
 from cotserve.policies.baseline_utils import (
     attend,
     causal_prefill_with_colsums,
@@ -37,33 +36,19 @@ from cotserve.policies.baseline_utils import (
     refuse_overriding_parts,
 )
 from cotserve.policies.eviction import ScoredEviction
+from cotserve.policies.options import H2OOptions, check_config, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
-@dataclass
+@options_config(H2OOptions)
 class H2OConfig(PolicyConfig):
-    """budget: entries kept per KV head. recent_ratio: share of the budget kept as the most recent
-    tokens (0.5 as in the paper's experiments); the rest are heavy hitters. interval: evict when a slot
-    holds budget + interval entries (1 = each step, the paper's form). group_reduce: how the query heads
-    of a GQA group add up into their KV head's score (sum | max)."""
-
-    budget: int = 1024
-    recent_ratio: float = 0.5
-    interval: int = 1
-    group_reduce: str = "sum"
+    """`H2OOptions`: the budget, its recent share, the eviction interval, the GQA reduction."""
 
     def validate(self) -> None:
-        if self.budget < 2:
-            raise ValueError("budget must be >= 2")
-        if not 0.0 <= self.recent_ratio <= 1.0:
-            raise ValueError("recent_ratio must be in [0, 1]")
-        if self.interval < 1:
-            raise ValueError("interval must be >= 1")
-        if self.group_reduce not in ("sum", "max"):
-            raise ValueError("group_reduce must be sum or max")
+        check_config(self)
 
     @property
     def recent(self) -> int:
@@ -76,6 +61,7 @@ class H2OPolicy(ScoredEviction):
 
     name = "h2o"
     config_cls = H2OConfig
+    runtimes = Runtime.ALL
 
     def __init__(self, config: H2OConfig | None = None):
         super().__init__(config)

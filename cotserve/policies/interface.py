@@ -49,6 +49,21 @@ class Axis:
     STEER = "steer"
 
 
+class Runtime:
+    """Where a policy runs: the native engine's static and continuous schedulers, the vLLM engine on
+    CPU and on CUDA. Each policy declares its set (`Policy.runtimes`); the vLLM engine refuses a
+    request for a policy that does not declare its platform (`vllm/requests.py`)."""
+
+    # the vLLM ones are "vllm-" + the platform's name (`vllm/requests.vllm_platform`)
+    NATIVE_STATIC = "native-static"
+    NATIVE_CONTINUOUS = "native-continuous"
+    VLLM_CPU = "vllm-cpu"
+    VLLM_CUDA = "vllm-cuda"
+    NATIVE = frozenset({NATIVE_STATIC, NATIVE_CONTINUOUS})
+    VLLM = frozenset({VLLM_CPU, VLLM_CUDA})
+    ALL = NATIVE | VLLM
+
+
 @dataclass
 class PolicyConfig:
     """Base for small dataclass configs; subclasses add their knobs with defaults."""

@@ -1,11 +1,15 @@
 """Typed policy options: one pydantic model per policy, free of torch.
 
 These models are the single description of every policy option (type, range, default, meaning).
-The gateway validates a request's `cotserve.options` against them before it enqueues a job (400
-with the option's path in `param`); the registry validates them again in the worker, then builds
-the policy's dataclass config from the validated values. The option tables of the policy pages
-(`docs/policies/*.md`) are generated from them, and a test checks that each policy's dataclass
-config has exactly these fields and defaults.
+Each policy's dataclass config takes its fields, types and defaults from its model
+(`@options_config(SFIOptions)`: the class adds only methods and derived properties), and whatever
+else needs an option's default or name reads it here (`option_default`). The gateway validates a
+request's `cotserve.options` against the models before it enqueues a job (400 with the option's
+path in `param`); the registry validates them again in the worker, then builds the policy's
+config from the validated values. The option tables of the policy pages (`docs/policies/*.md`)
+are generated from them (`make docs`).
+
+Adding an option: one field in its policy's model here, then `make docs`.
 
 Spec resolution lives here too (`resolve`): a spec is one policy or a stack of at most one per
 axis joined with `+`; an option `key` goes to every part that has it, `policy.key` to one part.
@@ -17,8 +21,10 @@ This module imports nothing from the policies' torch code: the gateway loads it 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -40,6 +46,49 @@ class PolicyOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
+_C = TypeVar("_C", bound=type)
+
+
+def options_config(model: type[PolicyOptions]) -> Callable[[_C], _C]:
+    """Class decorator: make the class a dataclass whose fields are `model`'s options, in the
+    model's order, with its types and defaults (inherited options keep their place). The class
+    keeps its own methods and properties and records its model as `options_model`; a field it
+    declares itself under an option's name is refused, so every option has one definition."""
+
+    def make(cls: _C) -> _C:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        twice = sorted(n for n in model.model_fields if n in own or n in cls.__dict__)
+        if twice:
+            raise TypeError(f"{cls.__name__} declares {', '.join(twice)}, options of {model.__name__}: "
+                            "an option is defined in its options model only")
+        for name, info in model.model_fields.items():
+            setattr(cls, name, info.default)
+        cls.__annotations__ = {**{n: info.annotation for n, info in model.model_fields.items()}, **own}
+        cls.options_model = model
+        return dataclasses.dataclass(cls)
+
+    return make
+
+
+def option_default(model: type[PolicyOptions], name: str) -> Any:
+    """The default of one option of `model`."""
+    return model.model_fields[name].default
+
+
+def check_config(config: Any) -> None:
+    """A config's values through its options model (ranges, choices, rules across options): a
+    ValueError naming the first option that breaks one. For configs built without the registry
+    (which validates the options before it builds the config)."""
+    model: type[PolicyOptions] = type(config).options_model
+    try:
+        model.model_validate({n: getattr(config, n) for n in model.model_fields}, strict=False)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err.get("loc", ()))
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        raise ValueError(f"{field}={err.get('input')!r}: {msg}" if field else msg) from None
+
+
 # -- read policies ------------------------------------------------------------------------------
 KERNEL_HELP = ("implementation: auto (the C++ CPU kernel on a CPU with a float32 cache where it builds, "
                "the Triton kernel on CUDA for dense, torch otherwise) | torch (the plain torch reference)")
@@ -50,13 +99,16 @@ class DenseOptions(PolicyOptions):
 
 
 class SFIOptions(PolicyOptions):
-    # Defaults are the paper's ("Default SFI configuration", Sec. 5.1 of arXiv:2603.12038).
+    # Defaults are the paper's ("Default SFI configuration", Sec. 5.1 of arXiv:2603.12038; the
+    # refinement values also Sec. 5.4, Tables 6-7); additions of ours are off.
+    # memory layout (paper Sec. 5.1: 4 sinks, a 256-token recent window, K = 2048 per KV head)
     sinks: int = Field(4, ge=0, description="first entries always read (attention sinks)")
     recent: int = Field(256, ge=0, description="most recent entries, read in place from the main cache")
     k: int = Field(2048, ge=1, description="selected entries per KV head (capped by what exists)")
     obs_window: int = Field(1, ge=1, description="decode query rows per refresh (paper Sec. 5.1: W = 1 for decode)")
     prefill_window: int = Field(16, ge=1, description="prompt query rows at the bootstrap (paper Sec. 5.1: tail "
                                                       "window W = 16)")
+    # trigger (paper Sec. 5.1: a boundary-token set and a refresh budget T_max = 64)
     trigger: Literal["boundary", "fixed_periodic", "disabled"] = Field(
         "boundary", description="when the selected set is refreshed: boundary | fixed_periodic | disabled")
     min_gap: int = Field(1, ge=1, description="ours (1 = off): a boundary refresh waits until this many steps since "
@@ -64,27 +116,33 @@ class SFIOptions(PolicyOptions):
     max_interval: int = Field(64, ge=1, description="refresh budget T_max: a refresh is forced after this many steps")
     cooldown: int = Field(0, ge=0, description="ours (0 = off): boundaries seen this soon after a refresh are dropped")
     period: int = Field(32, ge=1, description="fixed_periodic: refresh every `period` steps")
+    # selector: evidence
     alpha: float = Field(0.5, ge=0, description="power-mean exponent over query rows (0 = log-mean; with W = 1 it "
                                                 "has no effect)")
+    # selector: prior (paper Sec. 3.2: key-norm factor, global decay + tail brake)
     norm_power: float = Field(1.0, description="key-norm factor exponent (0 = off)")
     decay: float = Field(1.0, description="global position decay (log-factor -decay * distance / context)")
     tail: int = Field(-1, ge=-1, description="tail-brake length; -1 = the recent window")
     brake: float = Field(0.05, gt=0, le=1, description="tail-brake factor at the newest position")
+    # selector: fusion (paper Sec. 3.2: reverse-KL, i.e. geometric, fusion; lambda* clipped)
     fusion: Literal["geometric", "linear"] = Field("geometric", description="geometric (paper, reverse KL) | linear")
     lam: float = Field(-1.0, description="fusion weight; negative = per-head stability rule lambda*")
     lam_clip: float = Field(0.02, ge=0, description="lambda* is clipped to [0, lam_clip] (paper Sec. 5.1 / "
                                                     "Table 6: 0.02)")
+    # selector: diversity (paper Sec. 3.3; strengths Sec. 5.1 / Table 7)
     nms_window: int = Field(2, ge=0, description="soft-NMS half-window (positions)")
     nms_strength: float = Field(0.5, description="soft-NMS penalty at full overlap (nats; paper alpha_soft = 0.5)")
     excl_strength: float = Field(0.35, description="cross-head exclusivity penalty (nats, at most; paper "
                                                    "alpha_cross = 0.35)")
     excl_temperature: float = Field(1.0, gt=0, description="ownership softmax temperature")
+    # unstable-head fallback (ours, not in the paper; dense_heads=0, the default, is the paper's SFI)
     dense_heads: float = Field(0.0, ge=0, le=1, description="ours (0 = off, the paper's SFI): at most this fraction "
                                "of a sequence's KV heads (all layers) take the fallback read")
     dense_min: float = Field(0.01, ge=0, le=1, description="... and only heads whose support_instability exceeds this")
     dense_budget: int = Field(1024, ge=0, description="entries a fallback head reads per step by Quest page bounds "
                                                       "(0 = all)")
     dense_page: int = Field(4, ge=1, description="page size of those bounds (Quest uses 16)")
+    # fast-step implementation (ours; results equal up to float rounding)
     kernel: Literal["auto", "torch", "paged"] = Field(
         "auto", description="fast-step implementation: auto (the C++ CPU kernel on a CPU with a float32 cache, "
                             "where it builds; paged under the native engine's CUDA graphs) | torch | paged (the "

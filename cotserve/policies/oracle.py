@@ -12,33 +12,24 @@ stable within a sentence; this measures how stable it is for a given model and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from cotserve.policies.base import Axis, Policy, PolicyConfig
+from cotserve.policies.options import OracleTopKOptions, check_config, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
-@dataclass
+@options_config(OracleTopKOptions)
 class OracleTopKConfig(PolicyConfig):
-    """k: entries read per KV head besides sinks and window. sinks: first entries always read.
-    recent: most recent entries always read. stale: rank by the attention of the query this many
-    steps back (0 = the current query)."""
-
-    k: int = 2048
-    sinks: int = 4
-    recent: int = 256
-    stale: int = 0
+    """`OracleTopKOptions`: entries read besides sinks and window, how stale the ranking query is."""
 
     def validate(self) -> None:
-        for name in ("k", "sinks", "recent", "stale"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        check_config(self)
 
 
 def oracle_read_mask(scores: torch.Tensor, lens: torch.Tensor, k: int, sinks: int, recent: int) -> torch.Tensor:

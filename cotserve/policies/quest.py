@@ -21,39 +21,25 @@ compacted it (length != covered entries + 1). Prefill attention is the engine's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cotserve.policies.base import Axis, Policy, PolicyConfig
 from cotserve.policies.baseline_utils import attend, decode_probs
+from cotserve.policies.options import QuestOptions, check_config, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
-@dataclass
+@options_config(QuestOptions)
 class QuestConfig(PolicyConfig):
-    """budget: tokens read per KV head per step besides the current page (budget // page_size top
-    pages). page_size: tokens per page. dense_layers: the first layers read everything (2 as in the
-    paper). group_reduce: how a GQA group's query-head bounds combine per KV head (sum | max)."""
-
-    budget: int = 1024
-    page_size: int = 16
-    dense_layers: int = 2
-    group_reduce: str = "sum"
+    """`QuestOptions`: the token budget, the page size, the dense first layers, the GQA reduction."""
 
     def validate(self) -> None:
-        if self.page_size < 1:
-            raise ValueError("page_size must be >= 1")
-        if self.budget < self.page_size:
-            raise ValueError(f"budget ({self.budget}) must be at least one page ({self.page_size})")
-        if self.dense_layers < 0:
-            raise ValueError("dense_layers must be >= 0")
-        if self.group_reduce not in ("sum", "max"):
-            raise ValueError("group_reduce must be sum or max")
+        check_config(self)
 
 
 def page_bounds(k: torch.Tensor, length: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,6 @@ from typing import Any
 from cotserve.errors import PolicyError
 from cotserve.policies.base import Axis, Policy, PolicyConfig, PolicyStack
 from cotserve.policies.options import (
-    POLICIES,
     RENAMED,
     SERVER_ONLY_OPTIONS,
     OptionError,
@@ -28,7 +27,7 @@ from cotserve.policies.options import (
 )
 
 __all__ = ["REGISTRY", "RENAMED", "SERVER_ONLY_OPTIONS", "OptionError", "available", "build_policy", "make_config",
-           "parse_options", "register", "server_only_keys"]
+           "parse_options", "register", "runs_on", "server_only_keys"]
 
 REGISTRY: dict[str, type[Policy]] = {}
 
@@ -63,6 +62,12 @@ def available() -> list[str]:
     return sorted(REGISTRY)
 
 
+def runs_on(*runtimes: str) -> list[str]:
+    """The policies that declare one of `runtimes` (`Policy.runtimes`, `interface.Runtime`), sorted."""
+    _load_all()
+    return sorted(name for name, cls in REGISTRY.items() if cls.runtimes & set(runtimes))
+
+
 def _coerce(value: Any, target: Any) -> Any:
     """Turn CLI strings into the type of the config field's default."""
     if not isinstance(value, str):
@@ -83,13 +88,11 @@ def _coerce(value: Any, target: Any) -> Any:
 
 
 def _options_model(cls: type[Policy]):
-    """The typed options model of a built-in policy (None for a policy registered elsewhere)."""
-    entry = POLICIES.get(cls.name)
-    if entry is None:
-        return None
-    model = entry[1]
-    if set(model.model_fields) != {f.name for f in dataclasses.fields(cls.config_cls)}:
-        return None  # a different class under a built-in name (tests); its dataclass rules
+    """The typed options model the policy's config is built from (`options.options_config`); None
+    for a plain dataclass config."""
+    model = getattr(cls.config_cls, "options_model", None)
+    if model is None or set(model.model_fields) != {f.name for f in dataclasses.fields(cls.config_cls)}:
+        return None  # a config that adds fields of its own (tests): its dataclass rules
     return model
 
 

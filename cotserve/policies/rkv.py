@@ -15,50 +15,23 @@ the public R-KV code's variants (see `scoring`); R-KV's code also defaults to si
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from cotserve.policies import scoring
+from cotserve.policies.base import Runtime
 from cotserve.policies.eviction import BudgetEviction, EvictionConfig
+from cotserve.policies.options import RKVOptions, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
-@dataclass
+@options_config(RKVOptions)
 class RKVConfig(EvictionConfig):
-    """pool_width: max-pool width over neighbouring keys (odd).
-    sigma: weight of importance against redundancy (R-KV's lambda).
-    redundancy_threshold: key cosine similarity above which two keys count as copies.
-    redundancy_retain: newest copies exempted from redundancy (R-KV's beta).
-    group_reduce: prob (paper) | logit (R-KV code). normalize: causal (paper) | past (R-KV code).
-    reference_quirk: reproduce the R-KV code's redundancy row without copies (see scoring)."""
-
-    pool_width: int = 7
-    sigma: float = 0.1
-    redundancy_threshold: float = 0.5
-    redundancy_retain: int = 1
-    group_reduce: str = "prob"
-    normalize: str = "causal"
-    reference_quirk: bool = False
-
-    def validate(self) -> None:
-        super().validate()
-        if self.pool_width < 1 or self.pool_width % 2 == 0:
-            raise ValueError(f"pool_width must be an odd number >= 1, got {self.pool_width}")
-        if not 0.0 <= self.sigma <= 1.0:
-            raise ValueError(f"sigma must be in [0, 1], got {self.sigma}")
-        if not -1.0 <= self.redundancy_threshold <= 1.0:
-            raise ValueError(f"redundancy_threshold must be in [-1, 1], got {self.redundancy_threshold}")
-        if self.redundancy_retain < 0:
-            raise ValueError(f"redundancy_retain must be >= 0, got {self.redundancy_retain}")
-        if self.group_reduce not in ("prob", "logit"):
-            raise ValueError(f"group_reduce must be 'prob' or 'logit', got {self.group_reduce!r}")
-        if self.normalize not in ("causal", "past"):
-            raise ValueError(f"normalize must be 'causal' or 'past', got {self.normalize!r}")
+    """`RKVOptions`: the eviction options plus R-KV's importance and redundancy scoring."""
 
 
 def rkv_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, scaling: float,
@@ -77,6 +50,7 @@ class RKVPolicy(BudgetEviction):
 
     name = "rkv"
     config_cls = RKVConfig
+    runtimes = Runtime.ALL
 
     def score(self, batch: BatchState, layer: int, slot: int, n: int) -> torch.Tensor:
         q, q_pos, k, pos = self.observed(batch, layer, slot, n)

@@ -66,6 +66,7 @@ import torch
 from cotserve.errors import PolicyError
 from cotserve.kernels import cpu_decode
 from cotserve.policies.base import Axis, Policy, PolicyConfig, grouped_attention
+from cotserve.policies.options import SinkRouterOptions, check_config, options_config
 from cotserve.policies.registry import register
 from cotserve.policies.served import shipped_calibration
 
@@ -282,42 +283,14 @@ def sinkrouter_decode(q: torch.Tensor, cache: KVCache, layer: int, skip: torch.T
 
 
 # -- the policy ---------------------------------------------------------------------------------
-@dataclass
+@options_config(SinkRouterOptions)
 class SinkRouterConfig(PolicyConfig):
-    """Knobs (docs/policies/sinkrouter.md).
-
-    calibration: tau file; empty = the shipped `cotserve/calibration/<model-slug>.json`.
-    target_skip: which fitted tau(L) to use (a target stored in the file); 0 = the file's default.
-    first_layers: the first layers are never routed.
-    surrogate: "zero" (paper) or "anchor_value" (public reference implementation).
-    tau: a fixed threshold for every L instead of the calibrated tau(L) (nan = calibrated); with
-         it, `score` picks the score (no file needed).
-    score: the raw routing score used with a fixed `tau` (a calibration file names its own):
-         logit_min | logit_mean | logit_max | cos_min | cos_mean.
-    kernel: "auto": on a CPU with a float32 cache, unrouted layers and layers with few sink
-            groups run `dense`'s C++ kernel (KERNEL_SKIP_CUTOFF) | "torch": the torch paths only
-            (the first layers then take the engine's default step).
-    """
-
-    calibration: str = ""
-    target_skip: float = 0.0
-    first_layers: int = 2
-    surrogate: str = "zero"
-    tau: float = float("nan")
-    score: str = "logit_min"
-    kernel: str = "auto"
+    """`SinkRouterOptions` (docs/policies/sinkrouter.md). `kernel=auto` sends unrouted layers and
+    layers with few sink groups to `dense`'s C++ kernel (KERNEL_SKIP_CUTOFF); with `kernel=torch`
+    the first layers take the engine's default step."""
 
     def validate(self) -> None:
-        if self.kernel not in ("auto", "torch"):
-            raise ValueError(f"kernel must be 'auto' or 'torch', got {self.kernel!r}")
-        if self.surrogate not in ("zero", "anchor_value"):
-            raise ValueError(f"surrogate must be 'zero' or 'anchor_value', got {self.surrogate!r}")
-        if self.first_layers < 0:
-            raise ValueError("first_layers must be >= 0")
-        if not 0.0 <= self.target_skip < 1.0:
-            raise ValueError("target_skip must be in [0, 1) (0 = the calibration file's default)")
-        if self.score not in SCORES:
-            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        check_config(self)
         if self.calibration and not Path(self.calibration).expanduser().is_file():
             raise ValueError(f"calibration file {self.calibration} does not exist; build one with "
                              f"`{CALIBRATE_CMD.format(model='MODEL')}`")

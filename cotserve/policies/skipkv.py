@@ -27,12 +27,13 @@ way; on true text it hurts (docs/policies-paper-fidelity.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cotserve.policies.base import Runtime
 from cotserve.policies.boundaries import thought_delimiter_ids
+from cotserve.policies.options import SkipKVOptions, options_config
 from cotserve.policies.registry import register
 from cotserve.policies.rkv import RKVConfig, RKVPolicy, rkv_scores
 
@@ -40,18 +41,9 @@ if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
-@dataclass
+@options_config(SkipKVOptions)
 class SkipKVConfig(RKVConfig):
-    """sentence_threshold: sentence cosine similarity above which the earlier sentence is redundant.
-    prompt_sentences: also cut the prompt into sentences (ours; the paper: the output only)."""
-
-    sentence_threshold: float = 0.95
-    prompt_sentences: bool = False
-
-    def validate(self) -> None:
-        super().validate()
-        if not -1.0 <= self.sentence_threshold <= 1.0:
-            raise ValueError(f"sentence_threshold must be in [-1, 1], got {self.sentence_threshold}")
+    """`SkipKVOptions`: R-KV's options plus the sentence-level redundancy."""
 
 
 class SentenceTrack:
@@ -169,6 +161,7 @@ class SkipKVPolicy(RKVPolicy):
 
     name = "skipkv"
     config_cls = SkipKVConfig
+    runtimes = Runtime.ALL
 
     def begin(self, batch) -> None:
         super().begin(batch)

@@ -21,7 +21,6 @@ Here, per slot and KV head:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from cotserve.policies.base import PolicyConfig
 from cotserve.policies.baseline_utils import refuse_overriding_parts
 from cotserve.policies.eviction import ScoredEviction
+from cotserve.policies.options import SnapKVOptions, check_config, options_config
 from cotserve.policies.registry import register
 from cotserve.policies.scoring import protected_top
 
@@ -37,29 +37,12 @@ if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
-@dataclass
+@options_config(SnapKVOptions)
 class SnapKVConfig(PolicyConfig):
-    """budget: prompt entries kept per KV head (window included). window: observation window (last
-    prompt tokens, always kept). pool_width: pooling width (odd). pooling: max | avg. group_reduce: how a GQA
-    group's query heads combine into their KV head's score (mean | max)."""
-
-    budget: int = 1024
-    window: int = 32
-    pool_width: int = 7
-    pooling: str = "max"
-    group_reduce: str = "mean"
+    """`SnapKVOptions`: the prompt budget, the observation window, the pooling, the GQA reduction."""
 
     def validate(self) -> None:
-        if self.window < 1:
-            raise ValueError("window must be >= 1")
-        if self.budget <= self.window:
-            raise ValueError(f"budget ({self.budget}) must exceed window ({self.window})")
-        if self.pool_width < 1 or self.pool_width % 2 == 0:
-            raise ValueError("pool_width must be a positive odd number")
-        if self.pooling not in ("max", "avg"):
-            raise ValueError("pooling must be max or avg")
-        if self.group_reduce not in ("mean", "max"):
-            raise ValueError("group_reduce must be mean or max")
+        check_config(self)
 
 
 def snapkv_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int, kernel: int, pooling: str,

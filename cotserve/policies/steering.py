@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cotserve.errors import CotserveError, PolicyError
-from cotserve.policies.base import Axis, Policy, PolicyConfig
+from cotserve.policies.base import Axis, Policy, PolicyConfig, Runtime
 from cotserve.policies.boundaries import think_ids, thought_delimiter_ids
+from cotserve.policies.options import SteeringOptions, check_config, options_config
 from cotserve.policies.registry import _coerce, register
 from cotserve.policies.served import VECTOR_KEY, shipped_vector_dir
 from cotserve.policies.thoughts import DEFAULT_RULES, ThoughtRules, load_rules, thought_tracker
@@ -174,30 +175,14 @@ def check_vector(sv: SteeringVector, layer: int, hidden_size: int, num_layers: i
         )
 
 
-@dataclass
+@options_config(SteeringOptions)
 class SteeringConfig(PolicyConfig):
-    """Knobs (SkipKV Sec. 4.2 defaults).
-
-    vector: path of a `.safetensors` vector; "" = the one shipped for the model's slug.
-    layer: decoder layer whose input is steered; -1 = the layer the vector was built at.
-    alpha0, gamma: alpha_t = alpha0 + gamma * N_o (N_o: non-execution thoughts so far).
-    enabled: False turns steering off (per request: extras, see the module docstring).
-    thought_rules: YAML/JSON file of thought classification rules (`thoughts.load_rules`), the
-    same splitter and rules SkipKV's count uses; "" = the defaults."""
-
-    vector: str = ""
-    layer: int = -1
-    alpha0: float = 1.0
-    gamma: float = 0.02
-    enabled: bool = True
-    thought_rules: str = ""
+    """`SteeringOptions` (SkipKV Sec. 4.2 defaults): alpha_t = alpha0 + gamma * N_o (N_o:
+    non-execution thoughts so far); `enabled` may also be set per request (extras, see the module
+    docstring)."""
 
     def validate(self) -> None:
-        if self.layer < -1:
-            raise ValueError(f"layer must be >= 0 (or -1 for the vector's own layer), got {self.layer}")
-        for name in ("alpha0", "gamma"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        check_config(self)
         if self.vector and not Path(self.vector).expanduser().is_file():
             raise ValueError(f"steering vector {self.vector} does not exist")
         if self.thought_rules:
@@ -315,6 +300,7 @@ class SteeringPolicy(ThoughtFollower):
     name = "steering"
     axis = Axis.STEER
     config_cls = SteeringConfig
+    runtimes = Runtime.ALL
 
     def __init__(self, config: SteeringConfig | None = None):
         super().__init__(config)

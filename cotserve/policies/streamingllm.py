@@ -20,40 +20,25 @@ model's window (all of cotserve's benchmarks) the difference is the sinks' relat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from cotserve.policies.base import PolicyConfig
+from cotserve.policies.base import PolicyConfig, Runtime
 from cotserve.policies.eviction import ScoredEviction
+from cotserve.policies.options import StreamingLLMOptions, check_config, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
     from cotserve.engine.batch import BatchState
 
 
-@dataclass
+@options_config(StreamingLLMOptions)
 class StreamingLLMConfig(PolicyConfig):
-    """budget: entries kept per KV head (sinks + recent). sinks: initial tokens always kept.
-    recent: window of latest tokens kept; 0 means budget - sinks (a positive value overrides and
-    must satisfy sinks + recent <= budget). interval: compact when a slot holds budget + interval entries
-    (1 = every step, the paper's rolling cache)."""
-
-    budget: int = 1024
-    sinks: int = 4
-    recent: int = 0
-    interval: int = 1
+    """`StreamingLLMOptions`: the budget, its sinks and recent window, the compaction interval."""
 
     def validate(self) -> None:
-        if self.sinks < 0 or self.recent < 0:
-            raise ValueError("sinks and recent must be >= 0")
-        if self.interval < 1:
-            raise ValueError("interval must be >= 1")
-        if self.recent == 0 and self.budget - self.sinks < 1:
-            raise ValueError(f"budget ({self.budget}) must exceed sinks ({self.sinks})")
-        if self.recent > 0 and self.sinks + self.recent > self.budget:
-            raise ValueError(f"sinks + recent ({self.sinks + self.recent}) exceeds budget ({self.budget})")
+        check_config(self)
 
     @property
     def window(self) -> int:
@@ -70,6 +55,7 @@ class StreamingLLMPolicy(ScoredEviction):
 
     name = "streamingllm"
     config_cls = StreamingLLMConfig
+    runtimes = Runtime.ALL
 
     def capacity(self, prompt_lens: list[int], max_new: int) -> int:
         return max(max(prompt_lens), self.config.kept + self.config.interval) + 1

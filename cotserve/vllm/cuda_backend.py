@@ -21,7 +21,7 @@ in the cache dtype, allocated while the model loads, so vLLM's KV cache is sized
 (`gpu_memory`):
 `COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64; none in a plain `vllm
 serve` with prefix caching on, where SFI is not served) SFI requests run at once; another decodes
-densely, see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (2048) caps k.
+densely, see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (default: SFI's default k) caps k.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import re
 import torch
 
 from cotserve.kernels.sfi_paged import sfi_paged_fast
+from cotserve.policies.options import SFIOptions, option_default
 from cotserve.vllm import compat, gpu_memory
 from cotserve.vllm.compat import FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadataBuilder
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
@@ -56,7 +57,7 @@ def _runtime(vllm_config, device) -> GraphSFI:
         max_rows = max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
         slots = gpu_memory.sfi_slots(sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching),
                                      gpu_memory.started_by_cotserve(vllm_config))
-        max_k = int(os.environ.get("COTSERVE_VLLM_SFI_MAX_K", 2048)) if slots else 0
+        max_k = int(os.environ.get("COTSERVE_VLLM_SFI_MAX_K", option_default(SFIOptions, "k"))) if slots else 0
         from cotserve.vllm.runtime_access import model_tokenizer
 
         tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")

@@ -26,6 +26,7 @@ import time
 import torch
 
 from cotserve.policies.boundaries import sentence_end_ids
+from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.paged import (
     W_MAX,
@@ -47,8 +48,9 @@ log = logging.getLogger(__name__)
 
 class GraphSFI(PagedSFI):
     def __init__(self, layers: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype, device: torch.device, slots: int, max_rows: int, max_k: int = 2048,
+                 dtype: torch.dtype, device: torch.device, slots: int, max_rows: int, max_k: int | None = None,
                  max_sinks: int = 16, tokenizer=None, rows: BatchRows | None = None):
+        max_k = option_default(SFIOptions, "k") if max_k is None else max_k
         super().__init__(len(layers), num_heads, num_kv_heads, head_dim, scale, dtype, device, slots, max_rows,
                          max_k, max_sinks)
         self.layers = layers

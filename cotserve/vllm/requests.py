@@ -17,10 +17,6 @@ from typing import Any
 
 from cotserve.errors import PolicyError
 
-# Policies the vLLM engine runs per request; anything else is refused when the request arrives.
-VLLM_POLICIES = ("dense", "sfi", "rkv", "skipkv", "streamingllm", "h2o", "steering")
-# The eviction policies among them (physical eviction into vLLM's block pool, `evict_runtime`).
-VLLM_EVICTION = ("rkv", "skipkv", "streamingllm", "h2o")
 # The most observation queries (`window`) an eviction request may ask for on vLLM (its ring size).
 MAX_EVICT_WINDOW = 16
 
@@ -137,16 +133,21 @@ def vllm_platform() -> str:
 
 def request_policy_of(extra_args: dict[str, Any] | None, platform: str | None = None) -> RequestPolicy:
     """The request's policy parts; PolicyError for anything the vLLM engine does not run.
-    `platform` ("cpu", "cuda"): where it would run (None: where vLLM runs in this process); both
-    backends run every policy listed here, an eviction policy combined with SFI included."""
-    from cotserve.policies.registry import build_policy
+    `platform` ("cpu", "cuda"): where it would run (None: on either backend); the policies a
+    platform runs are those that declare it (`Policy.runtimes`), an eviction policy combined with
+    SFI included."""
+    from cotserve.policies.interface import Axis, Runtime
+    from cotserve.policies.registry import build_policy, runs_on
 
     policy, options = policy_of(extra_args)
     names = [n.strip() for n in policy.split("+") if n.strip()]
-    unknown = [n for n in names if n not in VLLM_POLICIES]
+    # the policies that declare this platform (`Policy.runtimes`); an eviction one evicts physically
+    # into vLLM's block pool (`evict_runtime`)
+    runs = runs_on(*([f"vllm-{platform}"] if platform else Runtime.VLLM))
+    unknown = [n for n in names if n not in runs]
     if unknown:
         raise PolicyError(f"policy {'+'.join(unknown)!r} is not available on the vllm engine "
-                          f"(it runs: {', '.join(VLLM_POLICIES)}); use --engine native for it")
+                          f"(it runs: {', '.join(runs)}); use --engine native for it")
     if "h2o" in names and "sfi" in names:
         raise PolicyError("h2o+sfi is not available on the vllm engine: h2o scores the attention SFI replaces "
                           "(the native engine refuses the stack too)")
@@ -158,7 +159,7 @@ def request_policy_of(extra_args: dict[str, Any] | None, platform: str | None = 
                 raise PolicyError("sfi option dense_heads (the unstable-head fallback) is not available on the "
                                   "vllm engine; use dense_heads=0 or --engine native")
             out.sfi = part.config
-        elif part.name in VLLM_EVICTION:
+        elif part.axis == Axis.EVICT:
             window = getattr(part.config, "window", 0) if part.name != "streamingllm" else 0
             if window > MAX_EVICT_WINDOW:
                 raise PolicyError(f"{part.name} option window={window} exceeds {MAX_EVICT_WINDOW} on the vllm engine")

@@ -35,6 +35,7 @@ import torch
 from cotserve.kernels.sfi_paged import paged_logits, paged_pack, ring_write
 from cotserve.kernels.sfi_select import fused_supported, selector_scores, topk_sorted
 from cotserve.policies import selector as sel
+from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.selection import select_from_evidence
 from cotserve.policies.sfi.trigger import RefreshTrigger
@@ -112,8 +113,8 @@ class PagedSFI:
     """Compact buffers, rings, row tensors and the batched refresh (module docstring)."""
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype, device: torch.device, slots: int, max_rows: int, max_k: int = 2048,
-                 max_sinks: int = 16):
+                 dtype: torch.dtype, device: torch.device, slots: int, max_rows: int,
+                 max_k: int = option_default(SFIOptions, "k"), max_sinks: int = 16):
         self.L, self.hq, self.hkv, self.d = num_layers, num_heads, num_kv_heads, head_dim
         self.g = num_heads // num_kv_heads
         self.scale = scale

@@ -37,7 +37,7 @@ import torch
 
 from cotserve.kernels import cpu_decode
 from cotserve.policies import selector as sel
-from cotserve.policies.base import Axis, Policy, causal_prefill, grouped_attention
+from cotserve.policies.base import Axis, Policy, Runtime, causal_prefill, grouped_attention
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.registry import register
 from cotserve.policies.sfi.attention import fast_attention, slow_attention
@@ -96,6 +96,7 @@ class SFIPolicy(Policy):
     name = "sfi"
     axis = Axis.READ
     config_cls = SFIConfig
+    runtimes = Runtime.ALL
     config: SFIConfig
 
     # -- setup ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 
 from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.policies.boundaries import sentence_end_ids
+from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.graph import plan_slot, supported
 from cotserve.policies.sfi.paged import PagedSFI, SlotState, ring_size, sfi_telemetry
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 KIND = "sfi"  # the runtime's key in the pool and in its capacity setting (the policy's name)
 MAX_SINKS = 16  # sinks a pooled sequence may ask for (the compact buffers' spare room)
-DEFAULT_K = 2048  # selected entries per KV head the pooled buffers hold, unless the engine sets it
+DEFAULT_K = option_default(SFIOptions, "k")  # entries per KV head the pooled buffers hold, unless the engine sets it
 
 
 def poolable(cfg: SFIConfig) -> bool:

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cotserve.policies.options import SFIOptions, option_default
+
 
 @dataclass
 class RefreshTrigger:
-    mode: str = "boundary"
-    min_gap: int = 1
-    max_interval: int = 64
-    cooldown: int = 0
-    period: int = 32
+    """Defaults: SFI's options of the same meaning (`trigger` is `mode` here)."""
+
+    mode: str = option_default(SFIOptions, "trigger")
+    min_gap: int = option_default(SFIOptions, "min_gap")
+    max_interval: int = option_default(SFIOptions, "max_interval")
+    cooldown: int = option_default(SFIOptions, "cooldown")
+    period: int = option_default(SFIOptions, "period")
     last: int = -1  # step of the last refresh (bootstrap = -1)
     pending: bool = False
 
