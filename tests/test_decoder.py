@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cotserve.engine.batch import BatchState
-from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.engine.decoder import LeanDecoder
 from cotserve.engine.native import GenRequest, NativeEngine
 from cotserve.engine.sampling import SamplingParams
+from cotserve.kv.batch import BatchState
+from cotserve.kv.cache import CacheShape, KVCache
 from cotserve.models import LoadedModel, load_model
 from cotserve.policies.base import PolicyStack
 

@@ -43,8 +43,8 @@ def test_kernel_dense_attention_matches_reference_on_ragged_lengths(engine):
     """The kernel call itself against `grouped_attention` on a cache with per-slot lengths."""
     if not cpu_decode.available():
         pytest.skip("the CPU kernel did not build here (no compiler)")
-    from cotserve.engine.batch import BatchState, ModelInfo
-    from cotserve.engine.cache import CacheShape, KVCache
+    from cotserve.kv.batch import BatchState, ModelInfo
+    from cotserve.kv.cache import CacheShape, KVCache
     from cotserve.policies.base import PolicyStack, grouped_attention
     from cotserve.policies.dense import kernel_dense_decode
 

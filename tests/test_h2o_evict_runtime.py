@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cotserve.engine.batch import BatchState, ModelInfo
-from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.kernels import h2o_paged as hp
+from cotserve.kv.batch import BatchState, ModelInfo
+from cotserve.kv.cache import CacheShape, KVCache
 from cotserve.policies.base import PolicyStack
 from cotserve.policies.registry import build_policy
 from cotserve.vllm.evict_runtime import EvictRuntime

@@ -81,7 +81,7 @@ def _under(name: str, *prefixes: str) -> bool:
 
 def test_the_walker_sees_imports():
     assert "torch" in _targets("cotserve.policies.base", top_only=True)
-    assert "cotserve.engine.batch" not in _targets("cotserve.policies.base")  # TYPE_CHECKING only
+    assert "cotserve.kv.batch" not in _targets("cotserve.policies.base")  # TYPE_CHECKING only
     assert "cotserve.models" in _targets("cotserve.engine.decoder")  # inside a function
 
 
@@ -101,6 +101,9 @@ def test_engine_kernels_queue_and_worker_import_nothing_above_them():
     for module in MODULES:
         if _under(module, "cotserve.engine"):
             above = ("cotserve.gateway", "cotserve.queue", "cotserve.worker", *TOOLS)
+        elif _under(module, "cotserve.kv"):  # the engines' and policies' contract, below both
+            above = ("cotserve.engine", "cotserve.policies", "cotserve.models", "cotserve.gateway",
+                     "cotserve.queue", "cotserve.worker", "cotserve.vllm", *TOOLS)
         elif _under(module, "cotserve.kernels"):
             above = ("cotserve.engine", "cotserve.policies", "cotserve.models", "cotserve.gateway",
                      "cotserve.queue", "cotserve.worker", *TOOLS)
@@ -327,3 +330,17 @@ def test_the_private_name_check_finds_what_it_looks_for(tmp_path):
                       'CLASSES = {"Q": "vllm.model_executor.models.qwen3"}\n')
     assert [s for s in _string_imports(sample) if _is_vllm(s)] == ["vllm.model_executor.models.llama",
                                                                    "vllm.model_executor.models.qwen3"]
+
+
+def test_the_kv_contract_imports_nothing_of_cotserve_even_for_types():
+    """`cotserve.kv` (BatchState, ModelInfo, KVCache) sits below the engines and the policies: not
+    even a type-checking import reaches up, so no circle runs through it."""
+    bad = []
+    for module, path in MODULES.items():
+        if not _under(module, "cotserve.kv"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{module} -> {n}" for n in names if _under(n, "cotserve") and not _under(n, "cotserve.kv")]
+    assert "cotserve.kv.batch" in MODULES and not bad, bad

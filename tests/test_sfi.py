@@ -395,7 +395,7 @@ def test_options_parse_through_the_registry(tmp_path):
 def test_cached_key_norms_follow_a_compaction():
     """SFI caches ||k|| per entry; when an eviction policy compacts a row, the cache must not keep
     the norms of the entries that used to sit at those indices."""
-    from cotserve.engine.cache import CacheShape, KVCache
+    from cotserve.kv.cache import CacheShape, KVCache
     from cotserve.policies.sfi.policy import SFIPolicy
 
     g = torch.Generator().manual_seed(4)
@@ -492,9 +492,9 @@ def test_fused_slow_step_runs_for_the_paper_defaults_and_selects_as_the_torch_pa
     """With the kernel the paper's defaults (one observation row, no fallback heads) take the
     fused slow step; the entries it packs after a refresh are the unfused torch path's (the same
     selection up to float rounding: compared here on a prompt where no score is that close)."""
-    from cotserve.engine.batch import BatchState, ModelInfo
-    from cotserve.engine.cache import CacheShape, KVCache
     from cotserve.kernels import cpu_decode
+    from cotserve.kv.batch import BatchState, ModelInfo
+    from cotserve.kv.cache import CacheShape, KVCache
     from cotserve.policies.base import PolicyStack
     from cotserve.policies.sfi.policy import SFIPolicy
 

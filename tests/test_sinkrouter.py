@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from cotserve.engine.batch import BatchState, ModelInfo
-from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.errors import PolicyError
+from cotserve.kv.batch import BatchState, ModelInfo
+from cotserve.kv.cache import CacheShape, KVCache
 from cotserve.policies.base import PolicyStack, dense_decode
 from cotserve.policies.registry import build_policy
 from cotserve.policies.sinkrouter import (

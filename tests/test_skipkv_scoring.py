@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from cotserve.engine.batch import BatchState, ModelInfo
-from cotserve.engine.cache import CacheShape, KVCache
+from cotserve.kv.batch import BatchState, ModelInfo
+from cotserve.kv.cache import CacheShape, KVCache
 from cotserve.policies import scoring
 from cotserve.policies.base import PolicyStack
 from cotserve.policies.registry import build_policy

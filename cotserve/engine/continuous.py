@@ -45,13 +45,13 @@ from typing import Any
 
 import torch
 
-from cotserve.engine.batch import BatchState
-from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.engine.graph_pool import PooledDecode, PoolRow, PoolSlot, SlotPool, capturable
 from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, _Slot
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
 from cotserve.errors import RequestError
 from cotserve.kernels import cpu_decode
+from cotserve.kv.batch import BatchState
+from cotserve.kv.cache import CacheShape, KVCache
 from cotserve.policies.base import PolicyStack, grouped_attention
 from cotserve.policies.interface import Axis
 from cotserve.policies.registry import build_policy

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.kernels.decode_attention import HAVE_TRITON, decode_attention
+from cotserve.kv.cache import CacheShape, KVCache
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from cotserve.engine.batch import BatchState
     from cotserve.engine.native import NativeEngine
+    from cotserve.kv.batch import BatchState
     from cotserve.policies.base import PolicyStack
     from cotserve.policies.interface import PolicyConfig, PooledForm
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from cotserve.engine.batch import BatchState, ModelInfo
-from cotserve.engine.cache import CacheShape, KVCache
 from cotserve.engine.decoder import LeanDecoder, route_attention
 from cotserve.engine.sampling import SamplingParams, process_logits, sample_next, token_logprobs
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher, encode_chat
 from cotserve.engine.thinking import ThinkingBudget
 from cotserve.errors import RequestError
 from cotserve.grouping import length_groups
+from cotserve.kv.batch import BatchState, ModelInfo
+from cotserve.kv.cache import CacheShape, KVCache
 from cotserve.models import LoadedModel
 from cotserve.policies.base import PolicyStack
 from cotserve.policies.boundaries import think_ids

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -24,20 +23,16 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from cotserve import __version__
-from cotserve.engine.textproc import encode_chat
-from cotserve.errors import CotserveError
 from cotserve.gateway import completions, errors
 from cotserve.gateway.auth import check_key
 from cotserve.gateway.errors import APIError
 from cotserve.gateway.guard import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_MAX_HEADERS,
     Guard,
 )
 from cotserve.gateway.jobs import JobFactory
 from cotserve.gateway.metrics import Metrics
 from cotserve.gateway.output import TokenText
+from cotserve.gateway.prompts import PromptBuilder
 from cotserve.gateway.relay import JobRelay
 from cotserve.gateway.request_id import RequestId, request_id_of
 from cotserve.gateway.responses import chat_response, chat_stream
@@ -49,81 +44,12 @@ from cotserve.gateway.schemas import (
     ModelCard,
     ModelList,
 )
-from cotserve.gateway.tools import fallback_history, native_history, template_supports_tools
+from cotserve.gateway.settings import GatewaySettings
 from cotserve.policies.options import typed_options
-from cotserve.policies.served import ServedModel, check_served
+from cotserve.policies.served import check_served
 from cotserve.queue.base import JobQueue
 
 CHAT_PATH = "/v1/chat/completions"
-
-
-class PromptBuilder:
-    """Chat template + token counting, on the gateway side (the workers get token ids)."""
-
-    def __init__(self, tokenizer, context_len: int, path: str | None = None, model: ServedModel | None = None):
-        self.tokenizer = tokenizer
-        self.context_len = int(context_len)
-        self.path = path  # the model folder (generation_config.json), when known
-        # the served model's shape and name, when known: per-request policy options are then
-        # checked against it and the server's files at the gateway (`policies/served.py`)
-        self.model = model
-        self.native_tools = template_supports_tools(tokenizer)
-
-    @classmethod
-    def from_model(cls, spec: str | None, max_model_len: int | None = None) -> PromptBuilder:
-        from transformers import AutoConfig, AutoTokenizer
-
-        from cotserve.models import resolve_model
-
-        path = resolve_model(spec)
-        cfg = AutoConfig.from_pretrained(str(path))
-        ctx = getattr(cfg, "max_position_embeddings", 1 << 20)
-        if max_model_len is not None:
-            if max_model_len < 2:
-                raise CotserveError("--max-model-len must be at least 2")
-            if max_model_len > ctx:  # as vLLM refuses it: positions the model was not trained on
-                raise CotserveError(f"--max-model-len {max_model_len} is beyond the model's {ctx} positions "
-                                    "(max_position_embeddings)")
-            ctx = max_model_len
-        return cls(AutoTokenizer.from_pretrained(str(path)), ctx, str(path), ServedModel.from_config(spec, cfg))
-
-    def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               prefix: str = "", template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Prompt ids: the template over the history (tools natively or by the fallback), then
-        `prefix` (a forced start of the reply) as plain text. `template_kwargs`: the request's
-        chat_template_kwargs (extra template variables)."""
-        if self.native_tools:
-            ids = encode_chat(self.tokenizer, native_history(messages), tools, template_kwargs=template_kwargs)
-        else:
-            ids = encode_chat(self.tokenizer, fallback_history(messages, tools), template_kwargs=template_kwargs)
-        if prefix:
-            ids = ids + self.tokenizer.encode(prefix, add_special_tokens=False)
-        return ids
-
-
-@dataclass
-class GatewaySettings:
-    model_name: str
-    policy: str = "dense"
-    policy_options: dict[str, Any] = field(default_factory=dict)
-    api_keys: list[str] = field(default_factory=list)
-    max_pending: int = 256
-    default_max_tokens: int | None = None  # None: what remains of the context
-    default_temperature: float = 1.0
-    default_top_p: float = 1.0
-    default_top_k: int = 0
-    tool_call_parser: str = "hermes"
-    reasoning_parser: str | None = None  # a name from reasoning.REASONING_PARSERS, or None
-    max_n: int = 16
-    poll_s: float = 0.5  # how often a waiting request checks for a client disconnect
-    queue_timeout: float | None = None  # seconds a job may wait for a worker before it fails with 503
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    keepalive_s: float = 0.0  # an SSE comment after this many seconds without an event (0: none)
-    queue_outage_s: float = 30.0  # how long a request rides out an unreachable queue before it fails
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # header names and values together; more get 431
-    max_headers: int = DEFAULT_MAX_HEADERS  # more headers get 431
-    public_metrics: bool = False  # with API keys: /metrics and the API docs answer without a key too
-    structured_outputs: bool = False  # the workers' engine constrains output (vLLM): response_format JSON modes etc.
 
 
 def create_app(settings: GatewaySettings, queue: JobQueue, prompts: PromptBuilder) -> FastAPI:

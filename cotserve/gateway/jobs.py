@@ -24,7 +24,8 @@ from cotserve.queue.base import PRIORITY_LIMIT, Job
 from cotserve.structured import STRUCTURED_KINDS
 
 if TYPE_CHECKING:
-    from cotserve.gateway.app import GatewaySettings, PromptBuilder
+    from cotserve.gateway.prompts import PromptBuilder
+    from cotserve.gateway.settings import GatewaySettings
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from cotserve.queue.base import Job, JobQueue, QueueFull, QueueUnavailable
 log = logging.getLogger("cotserve.gateway")
 
 if TYPE_CHECKING:
-    from cotserve.gateway.app import GatewaySettings
+    from cotserve.gateway.settings import GatewaySettings
 
 
 class JobRelay:

@@ -53,9 +53,9 @@ class ServeArgs:
 def gateway_settings(args: ServeArgs, engine_args: EngineArgs, prompts, keys: list[str] | None = None):
     """The gateway's settings from the serve options and the model: the sampling defaults of
     `--generation-config`, the tool call and reasoning parsers."""
-    from cotserve.gateway.app import GatewaySettings
     from cotserve.gateway.defaults import SamplingDefaults, load_defaults
     from cotserve.gateway.reasoning import resolve_reasoning_parser
+    from cotserve.gateway.settings import GatewaySettings
     from cotserve.gateway.tools import get_tool_parser
     from cotserve.model_names import model_slug
 

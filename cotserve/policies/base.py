@@ -21,7 +21,7 @@ from cotserve.policies.interface import Axis, PolicyConfig, Runtime
 __all__ = ["Axis", "Policy", "PolicyConfig", "PolicyStack", "causal_prefill", "dense_decode", "grouped_attention"]
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
     from cotserve.policies.interface import PooledForm, PoolView
 
 

@@ -23,7 +23,7 @@ from cotserve.errors import PolicyError
 from cotserve.policies.base import Policy
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 def _mask4(valid: torch.Tensor, b: int, s: int) -> torch.Tensor:

@@ -52,8 +52,8 @@ from cotserve.policies.scoring import protected_top
 from cotserve.policies.thoughts import load_rules, thought_tracker
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
-    from cotserve.engine.cache import KVCache
+    from cotserve.kv.batch import BatchState
+    from cotserve.kv.cache import KVCache
 
 
 def evict_to(cache: KVCache, layer: int, slot: int, keep: torch.Tensor,

@@ -40,7 +40,7 @@ from cotserve.policies.options import H2OOptions, check_config, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 @options_config(H2OOptions)

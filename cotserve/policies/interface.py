@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 class Axis:

@@ -21,7 +21,7 @@ from cotserve.policies.options import OracleTopKOptions, check_config, options_c
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 @options_config(OracleTopKOptions)

@@ -31,7 +31,7 @@ from cotserve.policies.options import QuestOptions, check_config, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 @options_config(QuestOptions)

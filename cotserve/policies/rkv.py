@@ -26,7 +26,7 @@ from cotserve.policies.options import RKVOptions, options_config
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 @options_config(RKVOptions)

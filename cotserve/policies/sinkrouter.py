@@ -71,8 +71,8 @@ from cotserve.policies.registry import register
 from cotserve.policies.served import shipped_calibration
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
-    from cotserve.engine.cache import KVCache
+    from cotserve.kv.batch import BatchState
+    from cotserve.kv.cache import KVCache
 
 CALIBRATE_CMD = "cotserve calibrate sinkrouter --model {model} --out FILE.json"
 

@@ -38,7 +38,7 @@ from cotserve.policies.registry import register
 from cotserve.policies.rkv import RKVConfig, RKVPolicy, rkv_scores
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 @options_config(SkipKVOptions)

@@ -34,7 +34,7 @@ from cotserve.policies.registry import register
 from cotserve.policies.scoring import protected_top
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 @options_config(SnapKVOptions)

@@ -51,7 +51,7 @@ from cotserve.policies.served import VECTOR_KEY, shipped_vector_dir
 from cotserve.policies.thoughts import DEFAULT_RULES, ThoughtRules, load_rules, thought_tracker
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 BUILD_HINT = "cotserve build-steering --model {model} --data math_train.jsonl --layer L --samples N --out DIR"
 

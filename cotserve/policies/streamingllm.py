@@ -30,7 +30,7 @@ from cotserve.policies.options import StreamingLLMOptions, check_config, options
 from cotserve.policies.registry import register
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 @options_config(StreamingLLMOptions)

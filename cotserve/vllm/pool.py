@@ -19,7 +19,7 @@ import queue
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cotserve.engine.native import Completion, Delta, GenRequest
 from cotserve.errors import EngineDead, redact_paths
@@ -27,9 +27,6 @@ from cotserve.policies.base import PolicyStack
 from cotserve.vllm.compat import output_telemetry
 from cotserve.vllm.failures import is_engine_dead, refusal
 from cotserve.vllm.params import policy_extra_args, worker_logprobs
-
-if TYPE_CHECKING:
-    from cotserve.vllm.engine import VLLMEngine
 
 
 @dataclass
@@ -49,7 +46,9 @@ class _Flight:
 
 
 class VLLMPool:
-    def __init__(self, engine: VLLMEngine, slots: int | None = None, wait_s: float = 0.02):
+    def __init__(self, engine: Any, slots: int | None = None, wait_s: float = 0.02):
+        # `engine`: the `VLLMEngine` that opened this pool (`VLLMEngine.open_pool`); its module
+        # imports this one, so this one names it only here
         self.engine = engine
         self.slots = int(slots or engine.max_batch)
         self.wait_s = wait_s  # how long `step` waits for the first output

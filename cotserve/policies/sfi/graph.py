@@ -34,7 +34,7 @@ from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, ring_size
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
 
 
 def supported(cfg: SFIConfig) -> bool:

@@ -54,7 +54,7 @@ from cotserve.policies.sfi.selection import (  # noqa: F401  (the selector's fun
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
     from cotserve.policies.interface import PooledForm, PoolView
 
 log = logging.getLogger(__name__)

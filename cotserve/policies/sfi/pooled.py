@@ -39,7 +39,7 @@ from cotserve.policies.sfi.paged import PagedSFI, SlotState, ring_size, sfi_tele
 from cotserve.policies.sfi.trigger import RefreshTrigger
 
 if TYPE_CHECKING:
-    from cotserve.engine.batch import BatchState
+    from cotserve.kv.batch import BatchState
     from cotserve.policies.interface import PoolView
 
 KIND = "sfi"  # the runtime's key in the pool and in its capacity setting (the policy's name)

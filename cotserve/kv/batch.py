@@ -1,16 +1,13 @@
-"""Per-batch state shared by the engine and the policies."""
+"""Per-batch state shared by the engines and the policies."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from cotserve.engine.cache import KVCache
-
-if TYPE_CHECKING:  # the engine hands the stack through; it never needs the policies' module
-    from cotserve.policies.base import PolicyStack
+from cotserve.kv.cache import KVCache
 
 
 @dataclass
@@ -41,7 +38,7 @@ class BatchState:
 
     info: ModelInfo
     cache: KVCache
-    policy: PolicyStack
+    policy: Any  # the request's policy stack (`policies.base.PolicyStack`): the engine hands it through
     scaling: float
     prompt_lens: torch.Tensor
     tokens: list[list[int]]
