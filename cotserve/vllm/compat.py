@@ -21,9 +21,10 @@ from typing import Any
 # vLLM versions the plugin was checked on, per platform
 SUPPORTED = {"cpu": ("0.32.",), "cuda": ("0.26.",)}
 
-# vLLM's names that other modules import from here: name -> vLLM's module that defines it (the
-# same in 0.26 and 0.32)
-LAZY = {
+# vLLM's names that other modules import from here: name -> vLLM's module that defines it (checked:
+# the same in 0.26 and 0.32; a name that moves between versions maps to a tuple of modules, tried in
+# order, `lookup`)
+LAZY: dict[str, str | tuple[str, ...]] = {
     "LLM": "vllm",
     "SamplingParams": "vllm",
     "RequestOutputKind": "vllm.sampling_params",
@@ -52,9 +53,36 @@ MODEL_CLASSES = {
 }
 
 
+class MissingInVLLM(ImportError):
+    """A name the plugin takes from vLLM is not where this vLLM version has it."""
+
+
+def lookup(name: str, modules: str | tuple[str, ...]) -> Any:
+    """vLLM's `name` from the first of `modules` (vLLM module paths, newest layout last) that has
+    it; MissingInVLLM naming the name, the modules and the installed version otherwise."""
+    tried = []
+    for module in (modules,) if isinstance(modules, str) else modules:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
+                raise  # the module exists but an import inside it failed: vLLM's own error
+            tried.append(f"{module} (no such module)")
+            continue
+        if hasattr(mod, name):
+            return getattr(mod, name)
+        tried.append(f"{module} (no {name})")
+    try:
+        found = version()
+    except ImportError:
+        found = "not installed"
+    raise MissingInVLLM(f"cotserve's vLLM plugin needs vLLM's {name}, not found in vLLM {found}: looked in "
+                        f"{', '.join(tried)} (docs/vllm.md, \"What the plugin touches\")")
+
+
 def __getattr__(name: str) -> Any:
     if name in LAZY:
-        value = getattr(importlib.import_module(LAZY[name]), name)
+        value = lookup(name, LAZY[name])
         globals()[name] = value
         return value
     raise AttributeError(name)
@@ -94,10 +122,13 @@ def register_attention_backend(platform: str, class_path: str) -> None:
     platform ignores `--attention-backend`, so that is the only way in; the backend is vLLM's own
     for an engine that did not ask for cotserve, `architectures.asks_for_cotserve`), on CUDA as
     `CUSTOM` (selected with `--attention-backend CUSTOM`)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    slot = AttentionBackendEnum.CPU_ATTN if platform == "cpu" else AttentionBackendEnum.CUSTOM
-    register_backend(slot, class_path)
+    registry = "vllm.v1.attention.backends.registry"
+    backends, register_backend = lookup("AttentionBackendEnum", registry), lookup("register_backend", registry)
+    slot = "CPU_ATTN" if platform == "cpu" else "CUSTOM"
+    if slot not in backends.__members__:
+        raise MissingInVLLM(f"cotserve's vLLM plugin needs vLLM's AttentionBackendEnum.{slot}, not in vLLM "
+                            f"{version()}")
+    register_backend(backends[slot], class_path)  # a dotted "module.Class" path
 
 
 def register_model(architecture: str, class_path: str) -> None:
@@ -109,7 +140,7 @@ def register_model(architecture: str, class_path: str) -> None:
 
 def model_class(name: str) -> type:
     """vLLM's model class `name` (one of MODEL_CLASSES)."""
-    return getattr(importlib.import_module(MODEL_CLASSES[name]), name)
+    return lookup(name, MODEL_CLASSES[name])
 
 
 def decoder_layers(model) -> list:
@@ -289,12 +320,15 @@ def request_extra_args(request) -> dict | None:
 
 
 # -- attention layers and their caches -------------------------------------------------------------
+# vLLM's attention layer class: `vllm.model_executor.layers.attention` in 0.26 and 0.32, before them
+# `vllm.attention.layer`
+ATTENTION_LAYER = ("vllm.model_executor.layers.attention", "vllm.attention.layer")
+
 def attention_layers(vllm_config) -> list:
     """The model's attention layers (vLLM `Attention` modules), in no particular order."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    return list(get_layers_from_vllm_config(vllm_config, Attention).values())
+    layers_of = lookup("get_layers_from_vllm_config", "vllm.config")
+    attention = lookup("Attention", ATTENTION_LAYER)
+    return list(layers_of(vllm_config, attention).values())
 
 
 def layer_cache(layer):
@@ -324,9 +358,22 @@ def flash_head_size(builder) -> int:
 
 # -- attention metadata (`CommonAttentionMetadata`) ------------------------------------------------
 # host copies of the sequence lengths vLLM's metadata may carry, by version: `seq_lens_cpu` (not in
-# 0.32; in some versions a read-only property over the field `_seq_lens_cpu`),
-# `seq_lens_cpu_upper_bound` (0.32)
+# 0.32; in 0.26 a deprecated read-only property over the field `_seq_lens_cpu`, which the model
+# runner sets, None under asynchronous speculative decoding), `seq_lens_cpu_upper_bound` (0.26, 0.32)
 HOST_LENS = ("seq_lens_cpu", "seq_lens_cpu_upper_bound")
+# host tensors vLLM derives from the sequence lengths (0.26: `_num_computed_tokens_cpu`, the
+# runner's, or computed from `seq_lens_cpu` when None; 0.32: `_num_computed_tokens_cache`): dropped
+# when cotserve rewrites the lengths, so vLLM derives them again from the new ones
+DERIVED_LENS = ("_num_computed_tokens_cpu", "_num_computed_tokens_cache")
+
+
+def _host_copy(cm, name: str):
+    """The metadata's host copy `name`, read from its field where a property stands over one (0.26's
+    deprecated `seq_lens_cpu`: reading it warns, and copies from the GPU when the field is None)."""
+    field = "_" + name
+    if isinstance(getattr(type(cm), name, None), property) and hasattr(cm, field):
+        return getattr(cm, field)
+    return getattr(cm, name, None)
 
 
 def host_lens(cm):
@@ -334,7 +381,7 @@ def host_lens(cm):
     if cm.seq_lens.device.type == "cpu":
         return cm.seq_lens
     for name in HOST_LENS:
-        t = getattr(cm, name, None)
+        t = _host_copy(cm, name)
         if t is not None:
             return t
     return cm.seq_lens.cpu()
@@ -350,10 +397,11 @@ def metadata_with(cm, **fields: Any):
 
 def set_host_lens(out, src, num_reqs: int, lens) -> None:
     """The host copies of the first `num_reqs` sequence lengths of `out` (a copy of `src`) set to
-    `lens`; the derived lengths vLLM caches (`_num_computed_tokens_cache`, 0.32) are dropped."""
+    `lens`; the tensors vLLM derives from them (DERIVED_LENS) are dropped."""
     for name in HOST_LENS:
-        if getattr(src, name, None) is not None:
-            t = getattr(src, name).clone()
+        given = _host_copy(src, name)
+        if given is not None:
+            t = given.clone()
             t[:num_reqs] = lens
             for attr in (name, "_" + name):  # a read-only property in some versions: its field
                 try:
@@ -361,5 +409,6 @@ def set_host_lens(out, src, num_reqs: int, lens) -> None:
                     break
                 except AttributeError:
                     continue
-    if hasattr(out, "_num_computed_tokens_cache"):
-        out._num_computed_tokens_cache = None
+    for name in DERIVED_LENS:
+        if hasattr(out, name):
+            setattr(out, name, None)
