@@ -128,12 +128,11 @@ class CotserveFlashImpl(FlashAttentionImpl):
             return out
         rt = _RUNTIME
         ev = evict_current()
-        capturing = torch.cuda.is_current_stream_capturing()
-        if not rt.warmed_up and not capturing and kv_cache.numel():
+        if not rt.warmed_up and kv_cache.numel() and not torch.cuda.is_current_stream_capturing():
             kc, vc = split_kv(kv_cache, self.head_size)
             rt.warm_up(int(_LAYER.search(layer.layer_name).group(1)), query.view(-1, self.num_heads, self.head_size),
                        output.view(output.shape[0], self.num_heads, self.head_size), kc, vc, attn_metadata.block_table)
-        if not rt.any_sfi and ev is None and not capturing:
+        if not rt.any_sfi and ev is None and not torch.cuda.is_current_stream_capturing():
             return out  # an eager step with no cotserve policy in it: vLLM's attention alone
         li = int(_LAYER.search(layer.layer_name).group(1))
         t = query.shape[0]
