@@ -457,3 +457,22 @@ def test_an_engine_without_sfi_slots_decodes_sfi_densely_and_reserves_nothing(mo
     sfi_paged_fast_reference(q, out, g.ck[0], g.cv[0], g.cpos[0], kc, vc, blocks.view(1, -1), g.row_mode[:1],
                              g.row_slot[:1], g.row_tok[:1], g.row_ws[:1], g.row_len[:1], 0.25)
     assert torch.equal(out, torch.zeros_like(q))  # a dense row: the fast kernel leaves it to FlashAttention
+
+
+def test_allocator_counters_only_on_cuda():
+    from cotserve.vllm.telemetry import allocator_counters
+
+    assert allocator_counters(torch.device("cpu")) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_allocator_counters_count_device_allocations_cuda():
+    from cotserve.vllm.telemetry import ALLOCATOR_COUNTERS, allocator_counters
+
+    dev = torch.device("cuda")
+    before = allocator_counters(dev)
+    assert set(before) == set(ALLOCATOR_COUNTERS)
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # larger than any cached block: a new cudaMalloc
+    assert allocator_counters(dev)["cuda_device_allocs"] > before["cuda_device_allocs"]
+    del x

@@ -39,7 +39,7 @@ from cotserve.policies.sfi.paged import (
 )
 from cotserve.policies.sfi.trigger import RefreshTrigger
 from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
-from cotserve.vllm.telemetry import write_telemetry
+from cotserve.vllm.telemetry import allocator_counters, write_telemetry
 
 __all__ = ["GraphSFI", "SlotState", "W_MAX", "padded", "ring_size", "sfi_telemetry", "write_telemetry"]
 
@@ -286,7 +286,8 @@ class GraphSFI(PagedSFI):
         if isinstance(st, SlotState):
             self.finished.append(st)
             write_telemetry({**self.telemetry(st), "runtime_host_s": round(self.host_s, 4),
-                             "runtime_refresh_host_s": round(self.refresh_host_s, 4), "runtime_refreshes": self.refreshes})
+                             "runtime_refresh_host_s": round(self.refresh_host_s, 4), "runtime_refreshes": self.refreshes,
+                             **allocator_counters(self.device)})
             self.free.append(st.slot)
             req.state = None
 

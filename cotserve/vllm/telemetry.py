@@ -5,6 +5,13 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
+# the CUDA caching allocator's counters the runtimes report: a retry frees cached blocks (which
+# synchronizes the device) to fit an allocation; device allocations and frees are cudaMalloc/cudaFree
+ALLOCATOR_COUNTERS = {"cuda_alloc_retries": "num_alloc_retries", "cuda_device_allocs": "num_device_alloc",
+                      "cuda_device_frees": "num_device_free"}
+
 
 def write_telemetry(tele: dict) -> None:
     """Append a JSON line to $COTSERVE_VLLM_TELEMETRY when it is set (the benchmarks and tests read it)."""
@@ -12,3 +19,12 @@ def write_telemetry(tele: dict) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(tele) + "\n")
+
+
+def allocator_counters(device: torch.device) -> dict[str, int]:
+    """The CUDA allocator's counters for `device` since the process started ({} off CUDA): whether a
+    runtime's host time went into allocations that waited for the GPU."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTERS.items()}
