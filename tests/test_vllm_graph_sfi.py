@@ -95,8 +95,11 @@ def test_batched_refresh_equals_eager_selection(setup, monkeypatch, floats):
             eager._bootstrap(layer, seq, plan, caches[layer], blocks[j], FlashPaged())
         eager._select(seq, FlashPaged(), caches, blocks[j])
         states[-1].eager = seq
+    g.reserve_logits(3 * L * HQ * 8 * 160)  # what the three need at once: no refresh allocates logits
+    before = g.logits_buffer(1, 1).data_ptr()
     g.refresh_all([(st, blocks[j]) for j, st in enumerate(states)], BS)
     assert parts == ([3] if floats is None else [2, 1])
+    assert g.logits_buffer(1, 1).data_ptr() == before  # every part's every chunk reused the one buffer
     for st in states:
         seq = st.eager
         m = int((seq.cpos[0, 0] >= 0).sum())
@@ -435,7 +438,7 @@ def test_an_engine_without_sfi_slots_decodes_sfi_densely_and_reserves_nothing(mo
     assert gpu_memory.sfi_slots(256, prefix_caching=False, by_cotserve=False) == 8
     assert gpu_memory.sfi_slots(256, prefix_caching=True, by_cotserve=False) == 0  # nothing to serve it with
     assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=False, evict=False) == 0
-    assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=True, evict=False) == 8 * REFRESH_FLOATS
+    assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=True, evict=False) == 4 * REFRESH_FLOATS
     assert gpu_memory.scratch_bytes(torch.bfloat16, sfi=False, evict=True) > 0
 
     gen = torch.Generator().manual_seed(5)
@@ -476,3 +479,16 @@ def test_allocator_counters_count_device_allocations_cuda():
     x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # larger than any cached block: a new cudaMalloc
     assert allocator_counters(dev)["cuda_device_allocs"] > before["cuda_device_allocs"]
     del x
+
+
+def test_logits_buffer_is_one_padded_storage(setup):
+    """The refreshes' logits: views with rows padded to 16 entries (one compiled kernel variant) of
+    one storage, grown only when a refresh needs more than it holds."""
+    g = setup[3]
+    a = g.logits_buffer(2, 3, 20)
+    assert a.shape == (2, 3, 20) and a.stride() == (96, 32, 1)
+    b = g.logits_buffer(1, 5)
+    assert b.data_ptr() == a.data_ptr()
+    c = g.logits_buffer(4096, 33)  # more than it holds: a bigger storage
+    assert c.shape == (4096, 33) and c.stride(0) == 48
+    assert g.logits_buffer(1, 1).data_ptr() == c.data_ptr()

@@ -50,8 +50,10 @@ def run_capacity_bench(policies: list[str], prompt_tokens: int, new_tokens: int,
     stats_path, tele_path = tmp / "sched.txt", tmp / "telemetry.jsonl"
     stats_path.touch()
     tele_path.touch()
-    os.environ["COTSERVE_VLLM_SCHED_STATS"] = str(stats_path)  # before vLLM starts its processes
-    os.environ["COTSERVE_VLLM_TELEMETRY"] = str(tele_path)
+    from cotserve.vllm.settings import variable
+
+    os.environ[variable("sched_stats")] = str(stats_path)  # before vLLM starts its processes
+    os.environ[variable("telemetry")] = str(tele_path)
     import torch
 
     from cotserve.vllm.architectures import hf_overrides

@@ -108,7 +108,9 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     if not plugin:
         os.environ["VLLM_PLUGINS"] = "none"  # before vLLM starts its processes: no cotserve plugin at all
     tele_path = Path(tempfile.mkstemp(prefix="cotserve-sfi-", suffix=".jsonl")[1])
-    os.environ["COTSERVE_VLLM_TELEMETRY"] = str(tele_path)
+    from cotserve.vllm.settings import variable
+
+    os.environ[variable("telemetry")] = str(tele_path)
     import torch
 
     from cotserve.vllm.architectures import hf_overrides

@@ -27,7 +27,6 @@ densely, see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (default: SFI's default k
 from __future__ import annotations
 
 import logging
-import os
 import re
 
 import torch
@@ -40,6 +39,7 @@ from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
 from cotserve.vllm.graph_sfi import GraphSFI
 from cotserve.vllm.requests import ROWS as ROWS_
 from cotserve.vllm.runtime_access import evict_current
+from cotserve.vllm.settings import settings
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -57,7 +57,8 @@ def _runtime(vllm_config, device) -> GraphSFI:
         max_rows = max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
         slots = gpu_memory.sfi_slots(sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching),
                                      gpu_memory.started_by_cotserve(vllm_config))
-        max_k = int(os.environ.get("COTSERVE_VLLM_SFI_MAX_K", option_default(SFIOptions, "k"))) if slots else 0
+        given = settings().sfi_max_k
+        max_k = (given if given is not None else option_default(SFIOptions, "k")) if slots else 0
         from cotserve.vllm.runtime_access import model_tokenizer
 
         tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")
@@ -71,7 +72,8 @@ def _evict_runtime(vllm_config, device):
     `COTSERVE_VLLM_EVICT_SLOTS=0` leaves it out."""
     from cotserve.vllm import runtime_access
 
-    slots = int(os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", vllm_config.scheduler_config.max_num_seqs))
+    given = settings().evict_slots
+    slots = given if given is not None else vllm_config.scheduler_config.max_num_seqs
     if slots <= 0 or "EvictingScheduler" not in str(vllm_config.scheduler_config.scheduler_cls or ""):
         return None  # left out, or no eviction served (asynchronous scheduling or prefix caching on)
     return runtime_access.evict_for(vllm_config, device, force=True, slots=slots)

@@ -227,10 +227,11 @@ class VLLMEngine:
         """The engine's steering vector: $COTSERVE_VLLM_STEERING_VECTOR, else the one shipped for the
         model (set in the environment, where vLLM's engine processes read it), else none."""
         from cotserve.policies.steering import SteeringConfig, resolve_vector
+        from cotserve.vllm.settings import settings
         from cotserve.vllm.steer_runtime import VECTOR_ENV
 
-        if os.environ.get(VECTOR_ENV):
-            return os.environ[VECTOR_ENV]
+        if settings().steering_vector:
+            return settings().steering_vector
         try:
             path = str(resolve_vector(SteeringConfig(), model).path)
         except PolicyError:

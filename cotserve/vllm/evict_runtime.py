@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -47,6 +46,7 @@ from cotserve.vllm.compat import host_lens, metadata_with, set_host_lens
 from cotserve.vllm.eviction_ledger import EvictionLedger, cdiv
 from cotserve.vllm.h2o_scores import H2OScores
 from cotserve.vllm.requests import MAX_EVICT_WINDOW, BatchRows, RowRequest, h2o_max_len
+from cotserve.vllm.settings import settings
 from cotserve.vllm.telemetry import write_telemetry
 
 log = logging.getLogger(__name__)
@@ -428,7 +428,7 @@ class EvictRuntime:
         for j, (_, st, _) in enumerate(items):
             if st.h2o is not None:  # the kept entries' scores move with them (the native `followers`)
                 self.h2o.compacted(st.h2o, st.slot, n, keep[j])
-        trace = os.environ.get("COTSERVE_VLLM_EVICT_TRACE")
+        trace = settings().evict_trace
         for j, (_req, st, _) in enumerate(items):
             st.pos = kept_pos[j]
             st.tail_start = st.ledger.evicted + budget  # the step's new entry: logical position `before`

@@ -20,11 +20,12 @@ builders as before (their memory is then outside vLLM's budget: leave headroom).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from cotserve.vllm.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +52,23 @@ def sfi_slots(max_num_seqs: int, prefix_caching: bool, by_cotserve: bool) -> int
     prompt (`params.reads_whole_prompt`) and run beside prefix caching."""
     if prefix_caching and not by_cotserve:
         return 0
-    env = os.environ.get("COTSERVE_VLLM_SFI_SLOTS", "")
-    return max(0, int(env)) if env else min(max_num_seqs, 64)
+    given = settings().sfi_slots
+    return max(0, given) if given is not None else min(max_num_seqs, 64)
 
 
 def scratch_bytes(dtype: torch.dtype, sfi: bool, evict: bool) -> int:
     """Bytes of working tensors the biggest refresh or compaction holds at once:
-    `$COTSERVE_VLLM_SCRATCH_MIB` when set, else SFI's refresh logits (twice `REFRESH_FLOATS`
-    floats, when the engine has SFI slots) or, with the eviction runtime, a compaction's gathered
+    `$COTSERVE_VLLM_SCRATCH_MIB` when set, else, when the engine has SFI slots, `REFRESH_FLOATS`
+    floats for a refresh's tensors besides its logits (those have their own buffer, made with the
+    runtime: `PagedSFI.reserve_logits`) or, with the eviction runtime, a compaction's gathered
     K and V (`GROUP_ELEMENTS` in the model dtype) and its similarity scores (twice `SCORE_FLOATS`
     floats), whichever is larger; 0 with neither."""
-    env = os.environ.get("COTSERVE_VLLM_SCRATCH_MIB", "")
-    if env:
-        return max(0, int(env)) << 20
+    mib = settings().scratch_mib
+    if mib is not None:
+        return max(0, mib) << 20
     from cotserve.policies.sfi.paged import REFRESH_FLOATS
 
-    need = 2 * 4 * REFRESH_FLOATS if sfi else 0
+    need = 4 * REFRESH_FLOATS if sfi else 0
     if evict:
         from cotserve.vllm.evict_runtime import GROUP_ELEMENTS, SCORE_FLOATS
 

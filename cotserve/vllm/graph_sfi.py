@@ -63,6 +63,8 @@ class GraphSFI(PagedSFI):
         self.warmed_up = False
         self._no_slots_warned = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
+        if slots and self.device.type == "cuda":
+            self.reserve_logits()  # made at model load: counted in vLLM's budget, never allocated in a step
         log.info("sfi: %d slots, C=%d, %.2f GiB of compact buffers", slots, self.C,
                  2 * self.ck.numel() * self.ck.element_size() / 2**30)
 

@@ -11,11 +11,11 @@ backends read it. One `BatchRows` per worker process (`ROWS`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from cotserve.errors import PolicyError
+from cotserve.vllm.settings import settings
 
 # The most observation queries (`window`) an eviction request may ask for on vLLM (its ring size).
 MAX_EVICT_WINDOW = 16
@@ -24,7 +24,7 @@ MAX_EVICT_WINDOW = 16
 def h2o_max_len() -> int:
     """Entries per layer and KV head that h2o's score buffers hold for a request while it decodes
     (`h2o_scores`): `$COTSERVE_VLLM_H2O_MAX_LEN`, default 2048; 0 leaves h2o out."""
-    return int(os.environ.get("COTSERVE_VLLM_H2O_MAX_LEN", 2048))
+    return settings().h2o_max_len
 
 
 def _check_h2o(part) -> None:

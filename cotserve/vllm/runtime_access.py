@@ -8,7 +8,6 @@ engine never allocates anything.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import torch
 
 from cotserve.vllm import compat
 from cotserve.vllm.requests import ROWS
+from cotserve.vllm.settings import settings
 from cotserve.vllm.sfi_runtime import SFIRuntime, StepPlan
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def evict_for(vllm_config, device: torch.device, force: bool = False, slots: int
     global _EVICT
     if _EVICT is not None:
         return _EVICT
-    if os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", "") == "0":  # left out (the scheduler evicts nothing then)
+    if settings().evict_slots == 0:  # left out (the scheduler evicts nothing then)
         return None
     if not force and not any(r.evict is not None for r in ROWS.rows.values()):
         return None

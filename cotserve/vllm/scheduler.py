@@ -25,7 +25,6 @@ fresh ledger: its earlier evictions are not replayed; its first decode step comp
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from cotserve.errors import CotserveError
@@ -33,6 +32,7 @@ from cotserve.vllm import compat
 from cotserve.vllm.compat import AsyncScheduler, CountsPreemptions, Scheduler
 from cotserve.vllm.eviction_ledger import EvictionLedger
 from cotserve.vllm.requests import request_policy_of
+from cotserve.vllm.settings import settings
 from cotserve.vllm.telemetry import write_telemetry
 from cotserve.vllm.thought_telemetry import sfi_step_telemetry, thought_telemetry
 
@@ -122,7 +122,7 @@ class EvictingScheduler(_SFITelemetry, CountsPreemptions, Scheduler):
             raise ValueError(f"cotserve's EvictingScheduler runs models with one KV cache group; this one has "
                              f"{len(groups)} (use vLLM's own scheduler for it, without eviction)")
         # the worker's eviction runtime can be left out on CUDA; then nothing evicts here either
-        self._evicting = os.environ.get("COTSERVE_VLLM_EVICT_SLOTS", "") != "0"
+        self._evicting = settings().evict_slots != 0
         self._manager = groups[0]
         # request id -> (its RequestPolicy, the request) when it evicts or steers; None when it does neither
         self._policies: dict[str, tuple[Any, Any] | None] = {}
@@ -131,7 +131,7 @@ class EvictingScheduler(_SFITelemetry, CountsPreemptions, Scheduler):
         self._recomputed: dict[str, int] = {}  # preempted and recomputed from scratch (vLLM's preemptions:
         # `cotserve_preemptions`, from `CountsPreemptions`)
         # $COTSERVE_VLLM_SCHED_STATS: one line per step, "running waiting free_blocks preemptions" (`bench capacity`)
-        path = os.environ.get("COTSERVE_VLLM_SCHED_STATS")
+        path = settings().sched_stats
         self._stats = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (lives with the engine)
 
     def schedule(self, *args: Any, **kwargs: Any):

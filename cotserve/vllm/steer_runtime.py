@@ -18,19 +18,19 @@ so far, exactly as the native `SteeringPolicy.steer` does. The prompt is never s
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cotserve.vllm.requests import BatchRows, RowRequest
+from cotserve.vllm.settings import settings, variable
 from cotserve.vllm.telemetry import write_telemetry
 
 log = logging.getLogger(__name__)
 
-VECTOR_ENV = "COTSERVE_VLLM_STEERING_VECTOR"
-LAYER_ENV = "COTSERVE_VLLM_STEERING_LAYER"
+VECTOR_ENV = variable("steering_vector")
+LAYER_ENV = variable("steering_layer")
 
 
 @dataclass
@@ -48,13 +48,14 @@ BUFFERS: SteerBuffers | None = None
 
 def engine_vector():
     """The engine's steering vector (`policies.steering.SteeringVector`) and layer, or None."""
-    path = os.environ.get(VECTOR_ENV)
+    given = settings()
+    path = given.steering_vector
     if not path:
         return None
     from cotserve.policies.steering import load_vector
 
     sv = load_vector(path)
-    layer = int(os.environ.get(LAYER_ENV, sv.layer))
+    layer = given.steering_layer if given.steering_layer is not None else sv.layer
     if layer < 0:
         raise ValueError(f"steering vector {path} does not record its layer; set {LAYER_ENV}")
     return sv, layer

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 
 import torch
+
+from cotserve.vllm.settings import settings
 
 # the CUDA caching allocator's counters the runtimes report: a retry frees cached blocks (which
 # synchronizes the device) to fit an allocation; device allocations and frees are cudaMalloc/cudaFree
@@ -15,7 +16,7 @@ ALLOCATOR_COUNTERS = {"cuda_alloc_retries": "num_alloc_retries", "cuda_device_al
 
 def write_telemetry(tele: dict) -> None:
     """Append a JSON line to $COTSERVE_VLLM_TELEMETRY when it is set (the benchmarks and tests read it)."""
-    path = os.environ.get("COTSERVE_VLLM_TELEMETRY")
+    path = settings().telemetry
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(tele) + "\n")

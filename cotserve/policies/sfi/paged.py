@@ -145,6 +145,28 @@ class PagedSFI:
         self.extra_writes: list[tuple[int, int, int]] = []  # ring writes beyond nw (eager steps only)
         self.refreshes = 0
         self._warmed: set[tuple] = set()
+        self._logits: torch.Tensor | None = None  # `logits_buffer`'s storage
+
+    def logits_buffer(self, *shape: int) -> torch.Tensor:
+        """float32 `shape` laid out as `padded` lays it out, a view of one buffer that every chunk of
+        every refresh reuses (grown when a refresh needs more): the refresh's largest tensor never
+        goes through the allocator, and the next chunk's logits do not sit beside the last one's.
+        Each chunk's logits are consumed (selector scores or evidence) before the next is written."""
+        *lead, last = shape
+        n16 = -(-max(last, 1) // 16) * 16
+        numel = n16
+        for x in lead:
+            numel *= x
+        if self._logits is None or self._logits.numel() < numel:
+            self._logits = None
+            self._logits = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self._logits[:numel].view(*lead, n16)[..., :last]
+
+    def reserve_logits(self, floats: int | None = None) -> None:
+        """Allocate the refreshes' logits buffer now (CUDA: while the model loads, inside vLLM's
+        budget): `REFRESH_FLOATS` plus the rows' padding to 16 entries."""
+        floats = REFRESH_FLOATS if floats is None else floats
+        self.logits_buffer(floats // 16 + floats // 256, 16)
 
     # -- inside the step (captured) -------------------------------------------------------------
     def write_ring(self, layer: int, q: torch.Tensor) -> None:
@@ -206,7 +228,7 @@ class PagedSFI:
             nl = min(self.L, l0 + chunk) - l0
             q = self.ring[l0 : l0 + nl][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
             q = (q.permute(1, 0, 3, 2, 4).reshape(j, nl, self.hkv, self.g * r, self.d) * self.scale).contiguous()
-            logits = padded(j, nl, self.hkv, self.g * r, n, device=dev)
+            logits = self.logits_buffer(j, nl, self.hkv, self.g * r, n)
             norms = padded(j, nl, self.hkv, n, device=dev)
             for i in range(nl):  # one read of the layer's keys, in place in the paged cache
                 paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, i])
