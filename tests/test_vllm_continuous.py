@@ -29,7 +29,7 @@ LENGTHS = [12, 40, 24, 56, 16, 48, 20, 36, 28, 60, 14, 44]  # mixed: finishing t
 
 @pytest.fixture(scope="module")
 def engine(vllm_engine):
-    """The test run's shared vLLM engine (tests/conftest.py): max_num_seqs 4, max_model_len 1024."""
+    """The test run's shared vLLM engine (tests/conftest.py): max_num_seqs 4, max_model_len 2048."""
     assert vllm_engine.max_batch == SEQS
     return vllm_engine
 

