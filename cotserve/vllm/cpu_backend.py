@@ -9,9 +9,10 @@ Prefill is vLLM's; its last chunk bootstraps the selection. For an h2o request's
 adds the step's attention probabilities, computed in torch from the paged cache, to its scores
 (`h2o_scores`).
 
-Per step, in the metadata builder: the pending selections of SFI requests that also evict (on the
-cache their refresh step saw), then the eviction runtime's `plan` (compactions, the metadata in
-physical terms), then SFI's plan on that metadata.
+Per step, in the metadata builder, the pipeline both backends share (`step_plan.plan_step`):
+steering, the pending selections of SFI requests that also evict (on the cache their refresh step
+saw), the eviction runtime's `plan` (compactions, the metadata in physical terms), then SFI's plan
+on that metadata.
 """
 
 from __future__ import annotations
@@ -25,40 +26,52 @@ from cotserve.vllm.compat import (
     CPUAttentionMetadataBuilder,
     metadata_with,
 )
-from cotserve.vllm.models import HIDDEN
 from cotserve.vllm.requests import ROWS
 from cotserve.vllm.sfi_runtime import FAST, SLOW
+from cotserve.vllm.step_plan import plan_step
 
 log = logging.getLogger(__name__)
 
 
-class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
-    _evict_paged = None
+class CPUSFIStage:
+    """SFI's part of the step on the CPU (`step_plan.SFIStage`): the runtime is made at the first
+    step with an SFI request (`runtime_access.runtime_for`)."""
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        cm = common_attn_metadata
-        steer = runtime_access.steer_for(self.vllm_config)
-        if steer is not None:
-            steer.plan(ROWS, cm)
+    def __init__(self, builder: CotserveCPUMetadataBuilder):
+        self.builder = builder
+
+    def before_compaction(self, cm, block_size: int) -> None:
         rt = runtime_access.current()
         if rt is not None:  # refreshes of requests that also evict: before their compaction
             rt.select_pending()
-        ev = runtime_access.evict_for(self.vllm_config, self.device)
-        if ev is not None:
-            if self._evict_paged is None:
-                self._evict_paged = runtime_access.make_paged(ev.layers[0], self.block_size, self.dtype)
-            cm = ev.plan(ROWS, cm, self.block_size, runtime_access.layer_caches(ev.layers), self._evict_paged,
-                         HIDDEN.buf)
-        rt = runtime_access.runtime_for(self.vllm_config, self.layer_names, self.device)
+
+    def plan(self, cm, block_size: int, evict):
+        b = self.builder
+        rt = runtime_access.runtime_for(b.vllm_config, b.layer_names, b.device)
         if rt is None:
             ROWS.take_released()  # rows that left: only an SFI runtime has state to free for them
-        plan = rt.plan_step(cm, self.block_size, ev) if rt is not None else None
-        if plan is not None and plan.decode_rows:
-            seq_lens = cm.seq_lens.clone()
-            for r in plan.decode_rows:
-                if r.mode in (FAST, SLOW):
-                    seq_lens[r.row] = 1  # vLLM's kernel reads nothing of this row's history
-            cm = metadata_with(cm, seq_lens=seq_lens)
+            return cm
+        plan = rt.plan_step(cm, block_size, evict)
+        if plan is None or not plan.decode_rows:
+            return cm
+        seq_lens = cm.seq_lens.clone()
+        for r in plan.decode_rows:
+            if r.mode in (FAST, SLOW):
+                seq_lens[r.row] = 1  # vLLM's kernel reads nothing of this row's history
+        return metadata_with(cm, seq_lens=seq_lens)
+
+
+class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    _evict_paged = None
+    _sfi: CPUSFIStage | None = None
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        if self._sfi is None:
+            self._sfi = CPUSFIStage(self)
+        ev = runtime_access.evict_for(self.vllm_config, self.device)
+        if ev is not None and self._evict_paged is None:
+            self._evict_paged = runtime_access.make_paged(ev.layers[0], self.block_size, self.dtype)
+        cm = plan_step(self.vllm_config, common_attn_metadata, self.block_size, self._sfi, ev, self._evict_paged)
         return super().build(common_prefix_len, cm, fast_build)
 
 

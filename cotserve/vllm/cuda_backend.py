@@ -37,9 +37,9 @@ from cotserve.vllm import compat, gpu_memory
 from cotserve.vllm.compat import FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadataBuilder
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
 from cotserve.vllm.graph_sfi import GraphSFI
-from cotserve.vllm.requests import ROWS as ROWS_
 from cotserve.vllm.runtime_access import evict_current
 from cotserve.vllm.settings import settings
+from cotserve.vllm.step_plan import plan_step
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -90,6 +90,21 @@ def _at_model_load(vllm_config) -> tuple[torch.device, bool, bool] | None:
     return device, sfi, _evict_runtime(vllm_config, device) is not None
 
 
+class CUDASFIStage:
+    """SFI's part of the step on CUDA (`step_plan.SFIStage`), on the runtime made while the model
+    loaded: the refreshes due run on the cache as the last step left it; the plan fills the row
+    tensors the captured graphs read and gives FlashAttention its lengths."""
+
+    def __init__(self, sfi: GraphSFI, head_size: int):
+        self.sfi, self.head_size = sfi, head_size
+
+    def before_compaction(self, cm, block_size: int) -> None:
+        self.sfi.refresh_due(cm, block_size)
+
+    def plan(self, cm, block_size: int, evict):
+        return compat.metadata_with(cm, seq_lens=self.sfi.step(cm, block_size, self.head_size, evict=evict))
+
+
 class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -97,24 +112,11 @@ class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
         self.sfi = _runtime(vllm_config, device)
         self.evict = _evict_runtime(vllm_config, device)
         self.paged_rw = FlashPagedKV(self.block_size, self.head_size_of())
+        self.stage = CUDASFIStage(self.sfi, self.head_size_of())
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        cm = common_attn_metadata
-        from cotserve.vllm.runtime_access import steer_for
-
-        steer = steer_for(self.vllm_config)
-        if steer is not None:
-            steer.plan(ROWS_, cm)
-        self.sfi.refresh_due(cm, self.block_size)  # on the cache as the last step left it: before compactions
-        if self.evict is not None:
-            from cotserve.vllm.models import HIDDEN
-            from cotserve.vllm.requests import ROWS
-            from cotserve.vllm.runtime_access import layer_caches
-
-            cm = self.evict.plan(ROWS, cm, self.block_size, layer_caches(self.evict.layers), self.paged_rw,
-                                 HIDDEN.buf)
-        cm = compat.metadata_with(cm, seq_lens=self.sfi.step(cm, self.block_size, self.head_size_of(),
-                                                             evict=self.evict))
+        cm = plan_step(self.vllm_config, common_attn_metadata, self.block_size, self.stage, self.evict,
+                       self.paged_rw)
         return super().build(common_prefix_len, cm, fast_build)
 
     def head_size_of(self) -> int:

@@ -1,0 +1,44 @@
+"""The per-step pipeline both attention backends run in their metadata builder, in one order.
+
+Before vLLM builds a step's attention metadata, the plugin plans the step for the requests that
+run a cotserve policy:
+
+1. steering: which of the step's rows get the steering vector (`steer_runtime`);
+2. SFI's work that must see the cache as the last step left it: the refreshes (selections) due
+   from that step, before a compaction moves entries;
+3. eviction: the compactions due now, and the metadata rewritten in physical terms
+   (`evict_runtime.EvictRuntime.plan`);
+4. SFI's plan on that metadata: which rows read their compact buffers, and the lengths vLLM's
+   own kernel reads for them.
+
+Each backend brings its SFI runtime through `SFIStage` (the CPU one is made at the first SFI
+request, the CUDA one while the model loads) and its cache reader for the compactions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from cotserve.vllm import runtime_access
+from cotserve.vllm.models import HIDDEN
+from cotserve.vllm.requests import ROWS
+
+
+class SFIStage(Protocol):
+    def before_compaction(self, cm: Any, block_size: int) -> None:
+        """Step 2: what must read the cache before this step's compactions."""
+
+    def plan(self, cm: Any, block_size: int, evict: Any) -> Any:
+        """Step 4: the step's SFI plan on `cm` (after `evict`'s plan, or None); returns the
+        metadata vLLM's builder gets."""
+
+
+def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: Any, evict_paged: Any) -> Any:
+    """Steps 1-4 for one step's common attention metadata `cm`; returns the metadata to build."""
+    steer = runtime_access.steer_for(vllm_config)
+    if steer is not None:
+        steer.plan(ROWS, cm)
+    sfi.before_compaction(cm, block_size)
+    if evict is not None:
+        cm = evict.plan(ROWS, cm, block_size, runtime_access.layer_caches(evict.layers), evict_paged, HIDDEN.buf)
+    return sfi.plan(cm, block_size, evict)
