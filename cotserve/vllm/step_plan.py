@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from cotserve.vllm import runtime_access
-from cotserve.vllm.models import HIDDEN
 from cotserve.vllm.requests import ROWS
 
 
@@ -40,5 +39,8 @@ def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: 
         steer.plan(ROWS, cm)
     sfi.before_compaction(cm, block_size)
     if evict is not None:
+        # imported here: the CUDA backend is imported by vLLM before its model classes may be
+        from cotserve.vllm.models import HIDDEN
+
         cm = evict.plan(ROWS, cm, block_size, runtime_access.layer_caches(evict.layers), evict_paged, HIDDEN.buf)
     return sfi.plan(cm, block_size, evict)
