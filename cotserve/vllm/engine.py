@@ -230,8 +230,9 @@ class VLLMEngine:
         from cotserve.vllm.settings import settings
         from cotserve.vllm.steer_runtime import VECTOR_ENV
 
-        if settings().steering_vector:
-            return settings().steering_vector
+        given = settings().steering_vector
+        if given:
+            return given
         try:
             path = str(resolve_vector(SteeringConfig(), model).path)
         except PolicyError:

@@ -39,7 +39,7 @@ from cotserve.policies.sfi.paged import (
 )
 from cotserve.policies.sfi.trigger import RefreshTrigger
 from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
-from cotserve.vllm.telemetry import allocator_counters, write_telemetry
+from cotserve.vllm.telemetry import allocator_counters, telemetry_on, write_telemetry
 
 __all__ = ["GraphSFI", "SlotState", "W_MAX", "padded", "ring_size", "sfi_telemetry", "write_telemetry"]
 
@@ -287,9 +287,10 @@ class GraphSFI(PagedSFI):
         st = req.state
         if isinstance(st, SlotState):
             self.finished.append(st)
-            write_telemetry({**self.telemetry(st), "runtime_host_s": round(self.host_s, 4),
-                             "runtime_refresh_host_s": round(self.refresh_host_s, 4), "runtime_refreshes": self.refreshes,
-                             **allocator_counters(self.device)})
+            if telemetry_on():  # released inside the step's plan: nothing built when it goes nowhere
+                write_telemetry({**self.telemetry(st), "runtime_host_s": round(self.host_s, 4),
+                                 "runtime_refresh_host_s": round(self.refresh_host_s, 4),
+                                 "runtime_refreshes": self.refreshes, **allocator_counters(self.device)})
             self.free.append(st.slot)
             req.state = None
 

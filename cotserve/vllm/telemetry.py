@@ -14,6 +14,11 @@ ALLOCATOR_COUNTERS = {"cuda_alloc_retries": "num_alloc_retries", "cuda_device_al
                       "cuda_device_frees": "num_device_free"}
 
 
+def telemetry_on() -> bool:
+    """Whether finished requests' telemetry goes anywhere (what to compute only then)."""
+    return bool(settings().telemetry)
+
+
 def write_telemetry(tele: dict) -> None:
     """Append a JSON line to $COTSERVE_VLLM_TELEMETRY when it is set (the benchmarks and tests read it)."""
     path = settings().telemetry
