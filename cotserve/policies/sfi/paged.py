@@ -260,8 +260,11 @@ class PagedSFI:
         keys[..., :ns] = pos[:ns]
         keys[..., ns:] = keep
         true = keys if tpos is None else torch.gather(tpos.unsqueeze(0).expand(j, -1, -1, -1), 3, keys)
-        self.cpos[:, slots] = -1
-        self.cpos[:, slots, :, :m] = true.transpose(0, 1).to(torch.int32)
+        # the slots' positions in one device-side copy: a scalar assigned through an index is uploaded
+        # from pageable memory, a copy that waits for every queued kernel (the step in flight included)
+        fresh = torch.full((self.L, j, self.hkv, self.C), -1, dtype=torch.int32, device=dev)
+        fresh[..., :m] = true.transpose(0, 1)
+        self.cpos.index_copy_(1, slots, fresh)
         # pack: read only the kept entries, straight from the paged cache
         slots32 = slots.to(torch.int32)
         for li in range(self.L):
