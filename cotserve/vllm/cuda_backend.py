@@ -44,6 +44,7 @@ from cotserve.vllm.step_plan import plan_step
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
+
 def _runtime(vllm_config, device) -> GraphSFI:
     """The process's CUDA SFI runtime (`process.runtimes().graph_sfi`), made at the first call."""
     proc = runtimes()
