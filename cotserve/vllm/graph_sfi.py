@@ -28,16 +28,8 @@ import torch
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
-from cotserve.policies.sfi.paged import (
-    W_MAX,
-    PagedSFI,
-    SlotState,
-    padded,
-    ring_size,
-    sfi_telemetry,
-    to_device,
-)
-from cotserve.policies.sfi.trigger import RefreshTrigger
+from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, padded, to_device
+from cotserve.policies.sfi.state import ring_size, sfi_telemetry
 from cotserve.vllm.requests import BatchRows, RowRequest
 from cotserve.vllm.telemetry import allocator_counters, telemetry_on, write_telemetry
 
@@ -277,8 +269,7 @@ class GraphSFI(PagedSFI):
             return None
         self._warm(cfg, self.free[0])
         slot = self.free.pop(0)
-        st = SlotState(cfg, RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
-                       len(req.prompt_ids), slot, ring_pos=[-1] * ring_size(cfg))
+        st = SlotState.start(cfg, len(req.prompt_ids), slot=slot)
         self.cpos[:, slot].fill_(-1)
         req.state = st
         return st
