@@ -89,7 +89,7 @@ def test_batched_refresh_equals_eager_selection(setup, monkeypatch, floats):
             seq.ring[:, :, p % 8] = q[:, p % 8]
             ring_pos[p % 8] = p
             seq.ring_pos[p % 8] = p
-        states.append(SlotState(cfg, RefreshTrigger(), n, slot, ring_pos=ring_pos, refresh_n=n))
+        states.append(SlotState(cfg, RefreshTrigger(), n, slot=slot, ring_pos=ring_pos, refresh_n=n))
         plan = RowPlan(j, 1, 0, 8, seq, n, bootstrap=True)
         for layer in range(L):
             eager._bootstrap(layer, seq, plan, caches[layer], blocks[j], FlashPaged())
@@ -182,7 +182,7 @@ def test_no_compilation_after_the_warm_up_cuda():
         blocks = torch.randperm(700, device=dev)[: -(-n // 16)].view(1, -1).to(torch.int32)
         for lo in (n - 16, n - 1):
             ring_pos = [n - 16 + ((i - n) % 16) for i in range(16)]
-            g.refresh([SlotState(cfg, RefreshTrigger(), n, 0, ring_pos=ring_pos, refresh_n=n, refresh_lo=lo)],
+            g.refresh([SlotState(cfg, RefreshTrigger(), n, slot=0, ring_pos=ring_pos, refresh_n=n, refresh_lo=lo)],
                       blocks, 16)
     for rows in range(1, 9):  # the fast step at every batch size
         sp.sfi_paged_fast(torch.zeros(rows, 32, 128, device=dev, dtype=torch.bfloat16),
@@ -275,7 +275,7 @@ def test_compacted_refresh_equals_eager_selection(setup):
         eager._stash(layer, seq, logits.view(HKV, HQ // HKV, len(idx), n), row_pos, n, tpos[layer])
     seq.refresh_pos = tpos
     eager._select(seq, paged, caches, blocks)
-    st = SlotState(cfg, RefreshTrigger(), 10, slot, ring_pos=ring_pos, refresh_n=n, refresh_lo=qpos + 1 - 8,
+    st = SlotState(cfg, RefreshTrigger(), 10, slot=slot, ring_pos=ring_pos, refresh_n=n, refresh_lo=qpos + 1 - 8,
                    refresh_hi=qpos + 1, refresh_pos=tpos, refresh_blocks=blocks)
     g.refresh_all([(st, st.refresh_blocks)], BS)
     m = 4 + 24
@@ -289,7 +289,7 @@ def test_compacted_refresh_equals_eager_selection(setup):
     g2 = GraphSFI([SimpleNamespace(kv_cache=c) for c in caches], HQ, HKV, D, 0.25, torch.float32,
                   torch.device("cpu"), slots=4, max_rows=8, max_k=32, rows=BatchRows())
     g2.ring.copy_(g.ring)
-    g2.refresh_all([(SlotState(cfg, RefreshTrigger(), 10, slot, ring_pos=ring_pos, refresh_n=n,
+    g2.refresh_all([(SlotState(cfg, RefreshTrigger(), 10, slot=slot, ring_pos=ring_pos, refresh_n=n,
                                refresh_lo=qpos + 1 - 8, refresh_hi=qpos + 1), blocks)], BS)
     assert not torch.equal(g2.cpos[:, slot, :, :m].long(), got)
 

@@ -90,7 +90,7 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
     w = ring_size(cfg)
 
     def states():  # a slow step's refresh: the ring holds the last w positions, obs_window rows are due
-        return [SlotState(cfg, RefreshTrigger(), n, s, ring_pos=[n - w + ((i - n) % w) for i in range(w)],
+        return [SlotState(cfg, RefreshTrigger(), n, slot=s, ring_pos=[n - w + ((i - n) % w) for i in range(w)],
                           refresh_n=n, refresh_lo=n - cfg.obs_window) for s in range(j)]
 
     rt.refresh(states(), blocks, bs)  # warm-up

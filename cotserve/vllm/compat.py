@@ -338,6 +338,11 @@ def layer_cache(layer):
     return kv[0] if isinstance(kv, (list, tuple)) else kv
 
 
+def layer_caches(layers: list) -> list:
+    """Each layer's paged KV cache tensor (`layer_cache`)."""
+    return [layer_cache(layer) for layer in layers]
+
+
 def cpu_isa(layer) -> str:
     """The ISA vLLM's CPU backend set on the layer (its cache layout depends on it)."""
     return layer.isa

@@ -26,7 +26,8 @@ from cotserve.vllm.compat import (
     CPUAttentionMetadataBuilder,
     metadata_with,
 )
-from cotserve.vllm.requests import ROWS
+from cotserve.vllm.process import runtimes
+from cotserve.vllm.sfi_access import SFIAccess, make_paged
 from cotserve.vllm.sfi_runtime import FAST, SLOW
 from cotserve.vllm.step_plan import plan_step
 
@@ -41,7 +42,7 @@ class CPUSFIStage:
         self.builder = builder
 
     def before_compaction(self, cm, block_size: int) -> None:
-        rt = runtime_access.current()
+        rt = runtimes().sfi_access
         if rt is not None:  # refreshes of requests that also evict: before their compaction
             rt.select_pending()
 
@@ -49,7 +50,7 @@ class CPUSFIStage:
         b = self.builder
         rt = runtime_access.runtime_for(b.vllm_config, b.layer_names, b.device)
         if rt is None:
-            ROWS.take_released()  # rows that left: only an SFI runtime has state to free for them
+            runtimes().rows.take_released()  # rows that left: only an SFI runtime has state to free for them
             return cm
         plan = rt.plan_step(cm, block_size, evict)
         if plan is None or not plan.decode_rows:
@@ -70,7 +71,7 @@ class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             self._sfi = CPUSFIStage(self)
         ev = runtime_access.evict_for(self.vllm_config, self.device)
         if ev is not None and self._evict_paged is None:
-            self._evict_paged = runtime_access.make_paged(ev.layers[0], self.block_size, self.dtype)
+            self._evict_paged = make_paged(ev.layers[0], self.block_size, self.dtype)
         cm = plan_step(self.vllm_config, common_attn_metadata, self.block_size, self._sfi, ev, self._evict_paged)
         return super().build(common_prefix_len, cm, fast_build)
 
@@ -82,13 +83,14 @@ class CotserveCPUImpl(CPUAttentionBackendImpl):
                               output_block_scale)
         if attn_metadata is None:
             return out
-        ev = runtime_access.evict_current()
+        proc = runtimes()
+        ev = proc.evict
         if ev is not None and ev.active:
             n = attn_metadata.num_actual_tokens
-            li, q = runtime_access.Access.layer_index(layer), query[:n].view(n, self.num_heads, self.head_size)
+            li, q = SFIAccess.layer_index(layer), query[:n].view(n, self.num_heads, self.head_size)
             ev.record(li, q)
             ev.accumulate(li, q, kv_cache, attn_metadata.block_table)  # h2o's scores, from the paged cache
-        rt = runtime_access.current()
+        rt = proc.sfi_access
         if rt is None or rt.runtime.plan_now is None or not rt.runtime.plan_now.sfi_rows:
             return out
         n = attn_metadata.num_actual_tokens

@@ -37,19 +37,18 @@ from cotserve.vllm import compat, gpu_memory
 from cotserve.vllm.compat import FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadataBuilder
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
 from cotserve.vllm.graph_sfi import GraphSFI
-from cotserve.vllm.runtime_access import evict_current
+from cotserve.vllm.process import runtimes
 from cotserve.vllm.settings import settings
 from cotserve.vllm.step_plan import plan_step
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
-_RUNTIME: GraphSFI | None = None
-
 
 def _runtime(vllm_config, device) -> GraphSFI:
-    global _RUNTIME
-    if _RUNTIME is None:
+    """The process's CUDA SFI runtime (`process.runtimes().graph_sfi`), made at the first call."""
+    proc = runtimes()
+    if proc.graph_sfi is None:
         layers = compat.attention_layers(vllm_config)
         ordered = sorted(layers, key=lambda m: int(_LAYER.search(m.layer_name).group(1)))
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
@@ -62,9 +61,10 @@ def _runtime(vllm_config, device) -> GraphSFI:
         from cotserve.vllm.runtime_access import model_tokenizer
 
         tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")
-        _RUNTIME = GraphSFI(ordered, first.num_heads, first.num_kv_heads, first.head_size, first.scale,
-                            mc.dtype, device, slots=slots, max_rows=max_rows, max_k=max_k, tokenizer=tok)
-    return _RUNTIME
+        proc.graph_sfi = GraphSFI(ordered, first.num_heads, first.num_kv_heads, first.head_size, first.scale,
+                                  mc.dtype, device, slots=slots, max_rows=max_rows, rows=proc.rows, max_k=max_k,
+                                  tokenizer=tok)
+    return proc.graph_sfi
 
 
 def _evict_runtime(vllm_config, device):
@@ -128,10 +128,11 @@ class CotserveFlashImpl(FlashAttentionImpl):
                 output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                               output_block_scale)
-        if attn_metadata is None or _RUNTIME is None:
+        proc = runtimes()
+        rt = proc.graph_sfi
+        if attn_metadata is None or rt is None:
             return out
-        rt = _RUNTIME
-        ev = evict_current()
+        ev = proc.evict
         if not rt.warmed_up and kv_cache.numel() and not torch.cuda.is_current_stream_capturing():
             kc, vc = split_kv(kv_cache, self.head_size)
             rt.warm_up(int(_LAYER.search(layer.layer_name).group(1)), query.view(-1, self.num_heads, self.head_size),

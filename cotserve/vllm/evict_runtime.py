@@ -11,7 +11,7 @@ scheduler (`scheduler.EvictingScheduler`) applies to vLLM's block pool in the sa
 
 Per step, in the attention metadata builder (before the forward, outside any CUDA graph):
 
-1. the previous step's final hidden states (`models.HIDDEN`) of SkipKV requests feed their
+1. the previous step's final hidden states (`process.runtimes().hidden`) of SkipKV requests feed their
    sentence tracks;
 2. a request due for a compaction keeps, per layer and KV head, `budget` entries chosen by its
    policy, written to the first physical slots of its live blocks (all layers scored at once: the

@@ -25,12 +25,10 @@ from typing import Any
 
 import torch
 
+from cotserve.vllm.process import runtimes
 from cotserve.vllm.settings import settings
 
 log = logging.getLogger(__name__)
-
-_SCRATCH: torch.Tensor | None = None
-RESERVED: dict[str, int] = {}  # what was reserved at load, in bytes, by purpose
 
 
 # the key of vLLM's `additional_config` under which `cotserve serve/worker --engine vllm` describes
@@ -95,8 +93,10 @@ def on_model_load(fn: Callable[[Any], tuple[torch.device, bool, bool] | None]) -
 
 def at_model_load(vllm_config) -> None:
     """Make the runtimes and the scratch reservation now (inside vLLM's model loading), where the
-    model's attention runs cotserve's CUDA backend; otherwise nothing. Never raises."""
-    global _SCRATCH
+    model's attention runs cotserve's CUDA backend; otherwise nothing. Never raises. The process
+    keeps the reservation and its sizes (`process.runtimes()`: `scratch`, `reserved`)."""
+    proc = runtimes()
+    reserved = proc.reserved
     try:
         for fn in _AT_LOAD:
             before = _allocated()
@@ -104,12 +104,12 @@ def at_model_load(vllm_config) -> None:
             if made is None:
                 continue
             device, sfi, evict = made
-            RESERVED["runtimes"] = _allocated() - before
+            reserved["runtimes"] = _allocated() - before
             n = scratch_bytes(vllm_config.model_config.dtype, sfi, evict)
-            _SCRATCH = torch.empty(n, dtype=torch.uint8, device=device) if n else None
-            RESERVED["scratch"] = n
+            proc.scratch = torch.empty(n, dtype=torch.uint8, device=device) if n else None
+            reserved["scratch"] = n
             log.info("cotserve reserved %.2f GiB inside vLLM's budget (runtimes %.2f, working tensors %.2f)",
-                     sum(RESERVED.values()) / 2**30, RESERVED["runtimes"] / 2**30, n / 2**30)
+                     sum(reserved.values()) / 2**30, reserved["runtimes"] / 2**30, n / 2**30)
     except Exception as exc:  # a guest: the builders make the runtimes as before
         log.warning("cotserve could not reserve its GPU memory at model load (%s: %s); its buffers are "
                     "allocated outside vLLM's budget (leave headroom with --gpu-memory-utilization)",
@@ -118,5 +118,4 @@ def at_model_load(vllm_config) -> None:
 
 def release_scratch() -> None:
     """Hand the scratch reservation to PyTorch's allocator (the first metadata builder calls it)."""
-    global _SCRATCH
-    _SCRATCH = None
+    runtimes().scratch = None

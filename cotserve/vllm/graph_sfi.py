@@ -28,17 +28,9 @@ import torch
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
-from cotserve.policies.sfi.paged import (
-    W_MAX,
-    PagedSFI,
-    SlotState,
-    padded,
-    ring_size,
-    sfi_telemetry,
-    to_device,
-)
-from cotserve.policies.sfi.trigger import RefreshTrigger
-from cotserve.vllm.requests import ROWS, BatchRows, RowRequest
+from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, padded, to_device
+from cotserve.policies.sfi.state import ring_size, sfi_telemetry
+from cotserve.vllm.requests import BatchRows, RowRequest
 from cotserve.vllm.telemetry import allocator_counters, telemetry_on, write_telemetry
 
 __all__ = ["GraphSFI", "SlotState", "W_MAX", "padded", "ring_size", "sfi_telemetry", "write_telemetry"]
@@ -48,13 +40,13 @@ log = logging.getLogger(__name__)
 
 class GraphSFI(PagedSFI):
     def __init__(self, layers: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype, device: torch.device, slots: int, max_rows: int, max_k: int | None = None,
-                 max_sinks: int = 16, tokenizer=None, rows: BatchRows | None = None):
+                 dtype: torch.dtype, device: torch.device, slots: int, max_rows: int, rows: BatchRows,
+                 max_k: int | None = None, max_sinks: int = 16, tokenizer=None):
         max_k = option_default(SFIOptions, "k") if max_k is None else max_k
         super().__init__(len(layers), num_heads, num_kv_heads, head_dim, scale, dtype, device, slots, max_rows,
                          max_k, max_sinks)
         self.layers = layers
-        self.rows = rows if rows is not None else ROWS
+        self.rows = rows  # the process's batch rows (`process.runtimes().rows`)
         self.boundaries = sentence_end_ids(tokenizer) if tokenizer is not None else frozenset()
         self.fa_lens = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
         self.free = list(range(slots))
@@ -277,8 +269,7 @@ class GraphSFI(PagedSFI):
             return None
         self._warm(cfg, self.free[0])
         slot = self.free.pop(0)
-        st = SlotState(cfg, RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
-                       len(req.prompt_ids), slot, ring_pos=[-1] * ring_size(cfg))
+        st = SlotState.start(cfg, len(req.prompt_ids), slot=slot)
         self.cpos[:, slot].fill_(-1)
         req.state = st
         return st

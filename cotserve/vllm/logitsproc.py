@@ -17,7 +17,8 @@ from cotserve.errors import CotserveError
 from cotserve.vllm import compat
 from cotserve.vllm.architectures import asks_for_cotserve
 from cotserve.vllm.compat import BatchUpdate, LogitsProcessor, MoveDirectionality
-from cotserve.vllm.requests import ROWS, RequestPolicy, RowRequest, request_policy_of
+from cotserve.vllm.process import runtimes
+from cotserve.vllm.requests import RequestPolicy, RowRequest, request_policy_of
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class RowTracker(LogitsProcessor):
             raise ValueError(str(exc)) from None
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        self.rows = ROWS
+        self.rows = runtimes().rows
         self.engaged = asks_for_cotserve(vllm_config)
         # a prefix-cache hit skips the prompt's query rows SFI's first selection reads: an SFI request
         # decodes densely then, unless it computes its whole prompt (`skip_reading_prefix_cache`, which

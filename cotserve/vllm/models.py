@@ -3,11 +3,12 @@ own architecture names (`register_models`; `architectures.py`: an engine selects
 `hf_overrides`, a plain vLLM engine keeps vLLM's classes), so vLLM's model code is used as it is:
 
 * the last layer's final-norm hidden states of every step are copied into a persistent buffer
-  (`HIDDEN`), where SkipKV's sentence tracking reads them at the next step; only once the worker
-  has an eviction runtime (on CUDA before the graphs are captured, on a CPU from the first evicting
-  request on). The copy is a tensor op, so it is part of a captured CUDA graph;
+  (`process.runtimes().hidden`, a `hidden.HiddenBuffer`), where SkipKV's sentence tracking reads
+  them at the next step; only once the worker has an eviction runtime (on CUDA before the graphs
+  are captured, on a CPU from the first evicting request on). The copy is a tensor op, so it is
+  part of a captured CUDA graph;
 * when the engine has a steering vector, a hook on its layer steers the tokens `steer_runtime`
-  marks (`steer_runtime.install`);
+  marks (`steer_runtime.install`; the process keeps the hook's inputs);
 * on CUDA, cotserve's runtimes are made while the model loads, so vLLM counts their memory
   (`gpu_memory.at_model_load`).
 """
@@ -18,26 +19,7 @@ import torch
 
 from cotserve.vllm import compat
 from cotserve.vllm.architectures import PREFIX, own_name
-from cotserve.vllm.runtime_access import evict_current
-
-
-class HiddenBuffer:
-    """The final hidden states [tokens, hidden] of the last forward (rows beyond it are stale)."""
-
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-
-    def capture(self, hidden: torch.Tensor) -> None:
-        n = hidden.shape[0]
-        if self.buf is None or self.buf.shape[0] < n or self.buf.shape[1:] != hidden.shape[1:] \
-                or self.buf.dtype != hidden.dtype or self.buf.device != hidden.device:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                return  # never allocate inside a capture (the profile run allocated at the largest size)
-            self.buf = torch.empty_like(hidden)
-        self.buf[:n].copy_(hidden)
-
-
-HIDDEN = HiddenBuffer()
+from cotserve.vllm.process import runtimes
 
 
 def _wrapped(base: type) -> type:
@@ -45,7 +27,9 @@ def _wrapped(base: type) -> type:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
         from cotserve.vllm.steer_runtime import install
 
-        install(self, vllm_config)  # the steering hook, when the engine has a vector
+        buffers = install(self, vllm_config)  # the steering hook, when the engine has a vector
+        if buffers is not None:
+            runtimes().steer_buffers = buffers
         if torch.cuda.is_available():
             from cotserve.vllm.gpu_memory import at_model_load
 
@@ -53,8 +37,9 @@ def _wrapped(base: type) -> type:
 
     def forward(self, *args, **kwargs):
         out = base.forward(self, *args, **kwargs)
-        if isinstance(out, torch.Tensor) and evict_current() is not None:  # only an eviction runtime reads them
-            HIDDEN.capture(out)
+        proc = runtimes()
+        if isinstance(out, torch.Tensor) and proc.evict is not None:  # only an eviction runtime reads them
+            proc.hidden.capture(out)
         return out
 
     return type(own_name(base.__name__), (base,), {"__init__": __init__, "forward": forward, "__module__": __name__,

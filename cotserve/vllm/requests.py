@@ -6,7 +6,7 @@ swapped) reaches `update_state` before the step's attention metadata is built, w
 request's `SamplingParams` (whose `extra_args["cotserve"]` carries the policy the gateway took
 from the request body) and live references to its prompt and output token ids.
 `RowTracker` (the logits processor, `logitsproc.py`) feeds a `BatchRows`, and the attention
-backends read it. One `BatchRows` per worker process (`ROWS`).
+backends read it. One `BatchRows` per worker process (`process.runtimes().rows`).
 """
 
 from __future__ import annotations
@@ -78,9 +78,6 @@ class BatchRows:
     def take_released(self) -> list[RowRequest]:
         out, self.released = self.released, []
         return out
-
-
-ROWS = BatchRows()
 
 
 FLAT_POLICY = "cotserve_policy"

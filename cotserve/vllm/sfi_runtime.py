@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -48,9 +48,9 @@ from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_from_evidence
-from cotserve.policies.sfi.trigger import RefreshTrigger
-from cotserve.vllm.graph_sfi import ring_size, sfi_telemetry, write_telemetry
+from cotserve.policies.sfi.state import SFIRequestState, ring_size, sfi_telemetry
 from cotserve.vllm.requests import BatchRows, RowRequest
+from cotserve.vllm.telemetry import write_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -67,28 +67,16 @@ class PagedKV(Protocol):
 
 
 @dataclass
-class SeqState:
-    """One SFI request's state (its slot)."""
+class SeqState(SFIRequestState):
+    """One SFI request's state on the CPU: its own ring and compact buffers, and the evidence of a
+    refresh (the shared counters and a pending refresh's terms: `SFIRequestState`)."""
 
-    cfg: SFIConfig
-    trigger: RefreshTrigger
-    prompt_len: int
-    kv_len: int = 0
-    steps: int = 0
-    slow_steps: int = 0
-    retained_sum: float = 0.0
-    k_eff: int = 0
-    ring: torch.Tensor | None = None  # [L, Hq, W, D]
-    ring_pos: list[int] = field(default_factory=list)  # position held at each ring index, -1 none
+    ring: torch.Tensor | None = None  # [L, Hq, W, D], position ring_pos[i] at index i
     ck: torch.Tensor | None = None  # [L, H, C, D]
     cv: torch.Tensor | None = None
     cpos: torch.Tensor | None = None  # [L, H, C], -1 = empty
     evidence: list[tuple[torch.Tensor, int] | None] | None = None  # per layer (f [H, n], now)
     read_acc: float = 0.0  # compact entries read this step, summed over layers and heads
-    # an evicting request's pending refresh: the block row (physical) and the entries' true positions
-    # [L, H, n] (None: their indices) of the step that computed the evidence
-    refresh_blocks: torch.Tensor | None = None
-    refresh_pos: torch.Tensor | None = None
 
 
 @dataclass
@@ -202,13 +190,10 @@ class SFIRuntime:
 
     def _new_state(self, req: RowRequest) -> SeqState:
         cfg: SFIConfig = req.sfi
-        w = ring_size(cfg)
         c = cfg.sinks + cfg.k
-        return SeqState(
-            cfg=cfg, trigger=RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period),
-            prompt_len=len(req.prompt_ids),
-            ring=torch.zeros(self.L, self.hq, w, self.d, dtype=self.dtype, device=self.device),
-            ring_pos=[-1] * w,
+        return SeqState.start(
+            cfg, len(req.prompt_ids),
+            ring=torch.zeros(self.L, self.hq, ring_size(cfg), self.d, dtype=self.dtype, device=self.device),
             ck=torch.zeros(self.L, self.hkv, c, self.d, dtype=self.dtype, device=self.device),
             cv=torch.zeros(self.L, self.hkv, c, self.d, dtype=self.dtype, device=self.device),
             cpos=torch.full((self.L, self.hkv, c), -1, dtype=torch.long, device=self.device),

@@ -43,9 +43,6 @@ class SteerBuffers:
     coef: torch.Tensor  # [S] model dtype: alpha_t, 0 for unused entries
 
 
-BUFFERS: SteerBuffers | None = None
-
-
 def engine_vector():
     """The engine's steering vector (`policies.steering.SteeringVector`) and layer, or None."""
     given = settings()
@@ -67,12 +64,12 @@ def _decoder_layers(model) -> list:
     return decoder_layers(model)
 
 
-def install(model, vllm_config) -> None:
-    """Put the steering hook on the model's layer L when the engine has a vector (else nothing)."""
-    global BUFFERS
+def install(model, vllm_config) -> SteerBuffers | None:
+    """Put the steering hook on the model's layer L when the engine has a vector (else nothing);
+    returns the hook's inputs (the process keeps them: `process.runtimes().steer_buffers`)."""
     got = engine_vector()
     if got is None:
-        return
+        return None
     sv, layer = got
     layers = _decoder_layers(model)
     hidden = vllm_config.model_config.get_hidden_size()
@@ -101,8 +98,8 @@ def install(model, vllm_config) -> None:
         return args, kwargs
 
     target.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    BUFFERS = SteerBuffers(layer, target.cotserve_steer_vector, target.cotserve_steer_idx, target.cotserve_steer_coef)
     log.info("steering: vector %s at layer %d", sv.path, layer)
+    return SteerBuffers(layer, target.cotserve_steer_vector, target.cotserve_steer_idx, target.cotserve_steer_coef)
 
 
 @dataclass
@@ -125,11 +122,10 @@ class SteerRuntime:
         self.states: dict[int, tuple[list, SteerState]] = {}  # id(output list) -> (the list, state)
         self.active = False
 
-    def plan(self, rows: BatchRows, cm) -> None:
-        """Fill the hook's entries for this step (see the module docstring)."""
-        buf = BUFFERS
+    def plan(self, rows: BatchRows, cm, buf: SteerBuffers | None) -> None:
+        """Fill the hook's entries `buf` for this step (see the module docstring)."""
         reqs = [(i, r) for i, r in rows.rows.items() if r.steer is not None and i < cm.num_reqs]
-        self._release(rows)
+        self._release(buf)
         if buf is None or (not reqs and not self.active):
             return
         qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
@@ -181,9 +177,9 @@ class SteerRuntime:
         self.states[key] = (req.output_ids, st)
         return st
 
-    def _release(self, rows: BatchRows) -> None:
+    def _release(self, buf: SteerBuffers | None) -> None:
         """Keep the states of requests that left (they may come back), the most recent 4 x max_num_seqs."""
-        limit = 4 * (BUFFERS.idx.shape[0] if BUFFERS is not None else 64)
+        limit = 4 * (buf.idx.shape[0] if buf is not None else 64)
         while len(self.states) > limit:
             self.states.pop(next(iter(self.states)))
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from cotserve.vllm import runtime_access
-from cotserve.vllm.requests import ROWS
+from cotserve.vllm import compat, runtime_access
+from cotserve.vllm.process import runtimes
 
 
 class SFIStage(Protocol):
@@ -34,13 +34,11 @@ class SFIStage(Protocol):
 
 def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: Any, evict_paged: Any) -> Any:
     """Steps 1-4 for one step's common attention metadata `cm`; returns the metadata to build."""
+    proc = runtimes()
     steer = runtime_access.steer_for(vllm_config)
     if steer is not None:
-        steer.plan(ROWS, cm)
+        steer.plan(proc.rows, cm, proc.steer_buffers)
     sfi.before_compaction(cm, block_size)
     if evict is not None:
-        # imported here: the CUDA backend is imported by vLLM before its model classes may be
-        from cotserve.vllm.models import HIDDEN
-
-        cm = evict.plan(ROWS, cm, block_size, runtime_access.layer_caches(evict.layers), evict_paged, HIDDEN.buf)
+        cm = evict.plan(proc.rows, cm, block_size, compat.layer_caches(evict.layers), evict_paged, proc.hidden.buf)
     return sfi.plan(cm, block_size, evict)

@@ -30,8 +30,8 @@ import torch
 from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.sfi.config import SFIConfig
-from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, ring_size
-from cotserve.policies.sfi.trigger import RefreshTrigger
+from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState
+from cotserve.policies.sfi.state import ring_size
 
 if TYPE_CHECKING:
     from cotserve.kv.batch import BatchState
@@ -80,9 +80,7 @@ class NativeGraphSFI(PagedSFI):
         self.block_table = torch.arange(shape.slots, dtype=torch.int32, device=cache.device).view(-1, 1)
         tok = info.tokenizer
         self.boundaries = sentence_end_ids(tok) if tok is not None else frozenset()
-        self.states = [SlotState(cfg, RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown,
-                                                     cfg.period), int(n), b, ring_pos=[-1] * ring_size(cfg))
-                       for b, n in enumerate(batch.prompt_lens.tolist())]
+        self.states = [SlotState.start(cfg, int(n), slot=b) for b, n in enumerate(batch.prompt_lens.tolist())]
         # the row tensors and the step's ring writes as views of two packed buffers: one copy each per step
         b_n, dev = shape.slots, cache.device
         self.rows_t = torch.zeros(5, b_n, dtype=torch.int32, device=dev)

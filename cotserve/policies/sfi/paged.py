@@ -38,7 +38,7 @@ from cotserve.policies import selector as sel
 from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.selection import select_from_evidence
-from cotserve.policies.sfi.trigger import RefreshTrigger
+from cotserve.policies.sfi.state import SFIRequestState, sfi_telemetry
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -63,22 +63,6 @@ def padded(*shape: int, dtype: torch.dtype = torch.float32, device=None) -> torc
     return torch.empty(*lead, -(-max(last, 1) // 16) * 16, dtype=dtype, device=device)[..., :last]
 
 
-def ring_size(cfg: SFIConfig) -> int:
-    """Query rows a request keeps per layer: the bootstrap's `prefill_window` prompt rows and the
-    slow steps' `obs_window` decode rows (position p at index p % size)."""
-    return max(cfg.prefill_window, cfg.obs_window)
-
-
-def sfi_telemetry(st) -> dict[str, float | int]:
-    """A request's SFI telemetry (the native policy's keys) from its counters."""
-    n = st.steps
-    return {"sfi_steps": n, "sfi_slow_steps": st.slow_steps,
-            "sfi_slow_step_ratio": round(st.slow_steps / n, 4) if n else 0.0,
-            "sfi_retained_ratio": round(st.retained_sum / n, 4) if n else 1.0,
-            "sfi_selected_per_head": st.k_eff, **({"sfi_short_dense_steps": st.short_steps}
-                                                  if getattr(st, "short_steps", 0) else {})}
-
-
 W_MAX = 32  # obs_window at most
 # float32 logits a refresh holds at once: requests are refreshed together and layers in chunks
 # under this many (one layer of one request may exceed it); its working set, about twice this many
@@ -87,26 +71,23 @@ REFRESH_FLOATS = 1 << 28
 
 
 @dataclass
-class SlotState:
-    cfg: SFIConfig
-    trigger: RefreshTrigger
-    prompt_len: int
-    slot: int
-    kv_len: int = 0
-    steps: int = 0
-    slow_steps: int = 0
-    retained_sum: float = 0.0
-    ring_pos: list[int] = field(default_factory=list)
+class SlotState(SFIRequestState):
+    """A request's state in the paged form: its slot of the persistent buffers, and its refresh
+    due at the next step (`refresh_pos` [L, Hkv, refresh_n] and `refresh_blocks`: a compacted
+    sequence's terms, `SFIRequestState`)."""
+
+    slot: int = field(kw_only=True)
     refresh_n: int = 0  # > 0: a refresh over this many entries is due at the next step
     refresh_lo: int = 0  # ... from the query rows at positions [refresh_lo, refresh_hi)
     refresh_hi: int = 0  # (0: refresh_n; they differ once an eviction policy compacted the cache)
-    # a compacted sequence's refresh: the true positions [L, Hkv, refresh_n] of its physical entries
-    # and its block row, as the step that computed the evidence saw them
-    refresh_pos: torch.Tensor | None = None
-    refresh_blocks: torch.Tensor | None = None
-    k_eff: int = 0
     short_steps: int = 0  # decode steps taken densely while the context was too short to skip anything
     short: bool = True  # the last step was such a step (the first one past the length is slow)
+
+    def telemetry(self) -> dict[str, float | int]:
+        out = super().telemetry()
+        if self.short_steps:
+            out["sfi_short_dense_steps"] = self.short_steps
+        return out
 
 
 class PagedSFI:

@@ -35,8 +35,8 @@ from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.graph import plan_slot, supported
-from cotserve.policies.sfi.paged import PagedSFI, SlotState, ring_size, sfi_telemetry
-from cotserve.policies.sfi.trigger import RefreshTrigger
+from cotserve.policies.sfi.paged import PagedSFI, SlotState
+from cotserve.policies.sfi.state import ring_size, sfi_telemetry
 
 if TYPE_CHECKING:
     from cotserve.kv.batch import BatchState
@@ -97,8 +97,7 @@ class PooledSFI(PagedSFI):
 
     # -- joining and leaving -------------------------------------------------------------------
     def join(self, cfg: SFIConfig, slot: int, prompt_len: int) -> PooledSlotSFI:
-        trigger = RefreshTrigger(cfg.trigger, cfg.min_gap, cfg.max_interval, cfg.cooldown, cfg.period)
-        st = SlotState(cfg, trigger, prompt_len, slot, ring_pos=[-1] * ring_size(cfg))
+        st = SlotState.start(cfg, prompt_len, slot=slot)
         self.states[slot] = st
         self._warm(cfg, slot)
         return PooledSlotSFI(self, st)
