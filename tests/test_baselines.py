@@ -13,8 +13,8 @@ from cotserve.engine.sampling import SamplingParams
 from cotserve.errors import PolicyError
 from cotserve.kv.batch import BatchState, ModelInfo
 from cotserve.kv.cache import CacheShape, KVCache
+from cotserve.policies.attention_parts import attend, causal_prefill_with_colsums, decode_probs
 from cotserve.policies.base import Policy, PolicyStack, causal_prefill, dense_decode, grouped_attention
-from cotserve.policies.baseline_utils import attend, causal_prefill_with_colsums, decode_probs
 from cotserve.policies.h2o import H2OConfig, H2OPolicy
 from cotserve.policies.quest import (
     QuestConfig,

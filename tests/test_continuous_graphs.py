@@ -1,4 +1,4 @@
-"""The continuous engine's pooled, fixed-shape decode step (`cotserve/engine/graph_pool.py`) on a
+"""The continuous engine's pooled, fixed-shape decode step (`cotserve/engine/pooled_decode.py`) on a
 CPU, on the bundled model, float32, greedy. On CUDA the step is captured in one graph per batch
 size bucket (tests/test_cuda_continuous.py); here `static_step=True` runs the very same step
 eagerly: the pool, the persistent row tensors, the padding rows at the pad slot, the dense launch
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from cotserve.engine.continuous import ContinuousEngine
-from cotserve.engine.graph_pool import buckets
 from cotserve.engine.native import GenRequest
+from cotserve.engine.pooled_decode import buckets
 from cotserve.engine.sampling import SamplingParams
 from cotserve.kernels import sfi_paged
 

@@ -1,5 +1,5 @@
 """CUDA-only checks of the continuous engine's pooled decode step in CUDA graphs
-(`cotserve/engine/graph_pool.py`; skipped without a GPU): one capture per batch-size bucket (and
+(`cotserve/engine/pooled_decode.py`; skipped without a GPU): one capture per batch-size bucket (and
 per SFI rows present), replays after that, and the tokens of the eager continuous path for
 sequences that join and leave mid-run, dense and SFI. Random weights of SmolLM2-135M's shapes,
 float32, greedy, as in tests/test_cuda.py."""

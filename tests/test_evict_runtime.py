@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import torch
 
 from cotserve.policies.registry import build_policy
+from cotserve.vllm.batch_rows import BatchRows, RowRequest
 from cotserve.vllm.evict_runtime import EvictRuntime
 from cotserve.vllm.eviction_ledger import cdiv
 from cotserve.vllm.flash_paged import FlashPagedKV
-from cotserve.vllm.requests import BatchRows, RowRequest
 
 L, HQ, HKV, D, BS, P, NEW = 2, 4, 2, 8, 4, 40, 60
 OPTS = {"budget": 16, "interval": 8, "window": 4}

@@ -7,8 +7,8 @@ import pytest
 
 from cotserve.errors import PolicyError
 from cotserve.policies.registry import build_policy
+from cotserve.vllm.batch_rows import request_policy_of
 from cotserve.vllm.eviction_ledger import EvictionLedger, cdiv, live_blocks_cover
-from cotserve.vllm.requests import request_policy_of
 
 
 def _policy(name: str, **options):

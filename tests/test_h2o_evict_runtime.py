@@ -21,9 +21,9 @@ from cotserve.kv.batch import BatchState, ModelInfo
 from cotserve.kv.cache import CacheShape, KVCache
 from cotserve.policies.base import PolicyStack
 from cotserve.policies.registry import build_policy
+from cotserve.vllm.batch_rows import BatchRows, RowRequest
 from cotserve.vllm.evict_runtime import EvictRuntime
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
-from cotserve.vllm.requests import BatchRows, RowRequest
 
 L, HQ, HKV, D, BS = 2, 6, 2, 8, 4
 SCALE = D**-0.5

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cotserve.kernels import h2o_paged as hp
-from cotserve.policies.baseline_utils import decode_probs
+from cotserve.policies.attention_parts import decode_probs
 
 pytestmark = pytest.mark.skipif(not hp.HAVE_TRITON, reason="triton not installed")
 

@@ -143,7 +143,7 @@ def test_the_engine_never_names_a_policy_of_its_own():
     from cotserve.policies.registry import POLICY_MODULES
 
     engine = {m: p for m, p in MODULES.items() if _under(m, "cotserve.engine")}
-    assert "cotserve.engine.graph_pool" in engine and "cotserve.policies.sfi" in POLICY_MODULES
+    assert "cotserve.engine.pooled_decode" in engine and "cotserve.policies.sfi" in POLICY_MODULES
     spelled = [f"{p.relative_to(ROOT)}:{hit}" for p in engine.values() for hit in _spelled(p.read_text(), "sfi")]
     assert not spelled, spelled
     named = [f"{m} -> {t}" for m in engine for t, _ in IMPORTS[m] if _under(t, *POLICY_MODULES)]

@@ -14,7 +14,7 @@ import pytest
 from cotserve.queue import InProcessQueue, Job
 from cotserve.queue.base import DEFAULT_MAX_TOKENS, EVICTION_DEFAULTS, kv_need
 from cotserve.vllm.kv_capacity import KVCapacity
-from cotserve.worker.static import Worker
+from cotserve.worker.group_worker import Worker
 
 
 def job(length: int, max_tokens: int | None = 100, policy: str = "dense", options: dict | None = None,

@@ -15,8 +15,8 @@ import torch
 from cotserve.kernels.sfi_paged import sfi_paged_fast_reference
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.trigger import RefreshTrigger
+from cotserve.vllm.batch_rows import BatchRows
 from cotserve.vllm.graph_sfi import GraphSFI, SlotState
-from cotserve.vllm.requests import BatchRows
 from cotserve.vllm.sfi_runtime import FAST, RowPlan, SeqState, SFIRuntime
 
 L, HQ, HKV, D, BS, NB = 3, 6, 2, 16, 16, 64
@@ -201,7 +201,7 @@ def test_step_and_refresh_never_wait_for_the_gpu_cuda():
     step is planned while the GPU still runs this one. PyTorch's sync debug mode raises on any
     synchronizing call; the host tensors are uploaded from pinned memory."""
     from cotserve.policies.sfi.paged import to_device
-    from cotserve.vllm.requests import RowRequest
+    from cotserve.vllm.batch_rows import RowRequest
 
     dev = torch.device("cuda")
     layers = [SimpleNamespace(kv_cache=torch.randn(700, 8, 16, 256, device=dev, dtype=torch.bfloat16))
@@ -334,8 +334,8 @@ def test_step_plans_a_compacted_request_in_physical_terms(setup):
     compact cutoff the true position of its window's first entry; a slow step keeps the block row
     and the entries' true positions for the refresh that runs before the next compaction."""
     from cotserve.policies.registry import build_policy
+    from cotserve.vllm.batch_rows import RowRequest
     from cotserve.vllm.evict_runtime import EvictRuntime
-    from cotserve.vllm.requests import RowRequest
 
     gen, caches, cfg, g = setup
     rows = g.rows
@@ -374,7 +374,7 @@ def test_a_context_too_short_to_skip_decodes_densely_then_selects(setup):
     all: its steps are dense (mode 0, FlashAttention over the whole history, no refresh) and its
     query rows still fill the ring; the first step past that length is slow and selects. A batch
     with no SFI request writes nothing but FlashAttention's lengths."""
-    from cotserve.vllm.requests import RowRequest
+    from cotserve.vllm.batch_rows import RowRequest
 
     gen, caches, cfg, g = setup
     limit = cfg.sinks + cfg.k + cfg.recent  # 44
@@ -425,7 +425,7 @@ def test_an_engine_without_sfi_slots_decodes_sfi_densely_and_reserves_nothing(mo
 
     from cotserve.policies.sfi.paged import REFRESH_FLOATS
     from cotserve.vllm import gpu_memory
-    from cotserve.vllm.requests import RowRequest
+    from cotserve.vllm.batch_rows import RowRequest
 
     monkeypatch.delenv("COTSERVE_VLLM_SFI_SLOTS", raising=False)
     monkeypatch.delenv("COTSERVE_VLLM_SCRATCH_MIB", raising=False)

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from cotserve.vllm import process
+from cotserve.vllm.batch_rows import BatchRows, RowRequest
 from cotserve.vllm.hidden import HiddenBuffer
-from cotserve.vllm.requests import BatchRows, RowRequest
 
 VLLM = Path(__file__).resolve().parent.parent / "cotserve" / "vllm"
 

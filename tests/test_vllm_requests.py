@@ -1,4 +1,4 @@
-"""Which policy combinations a vLLM request may ask for (`cotserve.vllm.requests.request_policy_of`),
+"""Which policy combinations a vLLM request may ask for (`cotserve.vllm.batch_rows.request_policy_of`),
 per platform: an eviction policy with SFI runs on both backends; any policy the vLLM engine does
 not run is refused with a clear error when it arrives; h2o runs alone (with steering) on both,
 within its score buffers' length."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cotserve.errors import PolicyError
-from cotserve.vllm.requests import request_policy_of
+from cotserve.vllm.batch_rows import request_policy_of
 
 
 def _ask(policy: str, platform: str, **options):
@@ -92,8 +92,8 @@ def test_a_plain_vllm_with_prefix_caching_decodes_sfi_densely(caplog):
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
+    from cotserve.vllm.batch_rows import BatchRows
     from cotserve.vllm.logitsproc import RowTracker
-    from cotserve.vllm.requests import BatchRows
 
     ours = SimpleNamespace(architectures=["CotserveLlamaForCausalLM"])  # an engine that asks for cotserve
     for caching in (True, False):
@@ -121,9 +121,9 @@ def test_an_engine_that_did_not_ask_for_cotserve_gets_no_policy():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
+    from cotserve.vllm.batch_rows import BatchRows
     from cotserve.vllm.gpu_memory import COTSERVE_CONFIG
     from cotserve.vllm.logitsproc import RowTracker
-    from cotserve.vllm.requests import BatchRows
 
     cache = NS(enable_prefix_caching=False)
     plain = NS(cache_config=cache, model_config=NS(architectures=["LlamaForCausalLM"]), additional_config={})

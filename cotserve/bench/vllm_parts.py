@@ -76,8 +76,8 @@ def graph_ms(fn, reps: int = 20) -> float:
 def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 16) -> dict:
     from cotserve.policies.sfi.config import SFIConfig
     from cotserve.policies.sfi.trigger import RefreshTrigger
+    from cotserve.vllm.batch_rows import BatchRows
     from cotserve.vllm.graph_sfi import GraphSFI, SlotState, ring_size
-    from cotserve.vllm.requests import BatchRows
 
     dev = torch.device("cuda")
     nb = j * (n // bs + 1)

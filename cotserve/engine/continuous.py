@@ -27,7 +27,7 @@ the kernel's one-sequence call, bit for bit); every other row goes through its o
 
 On CUDA (or with `static_step=True` anywhere) dense sequences, and those of a policy with a pooled
 form (`Policy.pooled_form`), that fit a slot of `pool_len` entries decode instead in the pooled,
-fixed-shape step of `graph_pool.py`: their caches
+fixed-shape step of `pooled_decode.py`: their caches
 live in one pool allocated once per engine, the step reads its rows through persistent index
 tensors, and on CUDA it is captured once per batch-size bucket (1, 2, 4, ... up to `slots`) and
 replayed as the batch changes. They prefill into their slot eagerly, as above. Sequences of other
@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from cotserve.engine.graph_pool import PooledDecode, PoolRow, PoolSlot, SlotPool, capturable
 from cotserve.engine.native import Completion, Delta, GenRequest, NativeEngine, _Slot
+from cotserve.engine.pooled_decode import PooledDecode, PoolRow, PoolSlot, SlotPool, capturable
 from cotserve.engine.textproc import IncrementalDetokenizer, StopStringMatcher
 from cotserve.errors import RequestError
 from cotserve.kernels import cpu_decode
@@ -195,7 +195,7 @@ class ContinuousEngine:
         self.running: list[_Seq] = []  # admitted: prefilling or decoding, in admission order
         self._cancel: set[str] = set()
         self.steps = 0
-        # the pooled fixed-shape step (graph_pool.py): by default on CUDA with the engine's CUDA
+        # the pooled fixed-shape step (pooled_decode.py): by default on CUDA with the engine's CUDA
         # graphs (and Triton, a power-of-two head dim), captured per batch-size bucket; static_step=True runs it on any device (eagerly
         # where it is not captured: how the tests check it on a CPU); False: never
         cuda = self.device.type == "cuda"

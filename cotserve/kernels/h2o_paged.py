@@ -6,7 +6,7 @@ over the row's entries 0 .. row_len - 1, read in place from vLLM's paged cache t
 block table (`key_cache` [blocks, block_size, Hkv, D]); each entry's probability, reduced over the
 group, is added to the request's accumulated score `acc[row_slot, kv_head, entry]`
 (`acc` [slots, Hkv, max_len] float32, one layer's part of the eviction runtime's score buffer).
-This is the native policy's decode step (`baseline_utils.decode_probs`, then the group's sum or
+This is the native policy's decode step (`attention_parts.decode_probs`, then the group's sum or
 max, `policies/h2o.py`) on the paged layout.
 
 Two passes over the keys per (row, KV head): the softmax's max and normaliser, then the

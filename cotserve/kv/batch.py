@@ -50,7 +50,7 @@ class BatchState:
     extras: dict[str, Any] = field(default_factory=dict)  # per-request policy inputs, by slot
     cuda_graphs: bool = False  # the engine captures the decode step in a CUDA graph where the stack allows it
     lean: bool = True  # the engine's lean decoder stack may run (no forward hook registered when the batch began)
-    # the continuous engine's pool slot (`graph_pool.PoolSlot`) when this one-slot batch decodes in
+    # the continuous engine's pool slot (`pooled_decode.PoolSlot`) when this one-slot batch decodes in
     # the pool's fixed-shape step; a policy whose fast step joins that step (SFI) attaches there
     pool_slot: Any = None
 

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cotserve.policies.base import PolicyConfig, Runtime
-from cotserve.policies.baseline_utils import (
+from cotserve.policies.attention_parts import (
     attend,
     causal_prefill_with_colsums,
     decode_probs,
     reduce_group,
     refuse_overriding_parts,
 )
+from cotserve.policies.base import PolicyConfig, Runtime
 from cotserve.policies.eviction import ScoredEviction
 from cotserve.policies.options import H2OOptions, check_config, options_config
 from cotserve.policies.registry import register

@@ -17,7 +17,7 @@ Hooks, in the order the engine calls them for one batch:
   after_forward(batch)                after every forward (prefill and decode); eviction runs here
   telemetry(slot)                     per-sequence numbers reported with the response
 
-One more hook is asked by the continuous engine's pooled decode step (`engine/graph_pool.py`) at
+One more hook is asked by the continuous engine's pooled decode step (`engine/pooled_decode.py`) at
 admission, while its pool holds no runtime of that policy's name, never per step:
 
   pooled_form(pool)                   -> the policy's runtime over every slot of the pool, or None
@@ -52,9 +52,9 @@ class Axis:
 class Runtime:
     """Where a policy runs: the native engine's static and continuous schedulers, the vLLM engine on
     CPU and on CUDA. Each policy declares its set (`Policy.runtimes`); the vLLM engine refuses a
-    request for a policy that does not declare its platform (`vllm/requests.py`)."""
+    request for a policy that does not declare its platform (`vllm/batch_rows.py`)."""
 
-    # the vLLM ones are "vllm-" + the platform's name (`vllm/requests.vllm_platform`)
+    # the vLLM ones are "vllm-" + the platform's name (`vllm/batch_rows.vllm_platform`)
     NATIVE_STATIC = "native-static"
     NATIVE_CONTINUOUS = "native-continuous"
     VLLM_CPU = "vllm-cpu"
@@ -102,7 +102,7 @@ class PolicyHooks(Protocol):
 
 
 class PoolView(Protocol):
-    """What a pooled form is built over: the continuous engine's KV pool (`graph_pool.SlotPool`),
+    """What a pooled form is built over: the continuous engine's KV pool (`pooled_decode.SlotPool`),
     one page of `length` entries per slot at fixed addresses, the last slot the pad slot."""
 
     length: int  # cache entries per slot

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cotserve.policies.attention_parts import attend, decode_probs
 from cotserve.policies.base import Axis, Policy, PolicyConfig
-from cotserve.policies.baseline_utils import attend, decode_probs
 from cotserve.policies.options import QuestOptions, check_config, options_config
 from cotserve.policies.registry import register
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from cotserve.policies.attention_parts import refuse_overriding_parts
 from cotserve.policies.base import PolicyConfig
-from cotserve.policies.baseline_utils import refuse_overriding_parts
 from cotserve.policies.eviction import ScoredEviction
 from cotserve.policies.options import SnapKVOptions, check_config, options_config
 from cotserve.policies.registry import register

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from cotserve.vllm import runtime_access
+from cotserve.vllm import runtime_builders
 from cotserve.vllm.compat import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class CPUSFIStage:
     """SFI's part of the step on the CPU (`step_plan.SFIStage`): the runtime is made at the first
-    step with an SFI request (`runtime_access.runtime_for`)."""
+    step with an SFI request (`runtime_builders.runtime_for`)."""
 
     def __init__(self, builder: CotserveCPUMetadataBuilder):
         self.builder = builder
@@ -48,7 +48,7 @@ class CPUSFIStage:
 
     def plan(self, cm, block_size: int, evict):
         b = self.builder
-        rt = runtime_access.runtime_for(b.vllm_config, b.layer_names, b.device)
+        rt = runtime_builders.runtime_for(b.vllm_config, b.layer_names, b.device)
         if rt is None:
             runtimes().rows.take_released()  # rows that left: only an SFI runtime has state to free for them
             return cm
@@ -69,7 +69,7 @@ class CotserveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         if self._sfi is None:
             self._sfi = CPUSFIStage(self)
-        ev = runtime_access.evict_for(self.vllm_config, self.device)
+        ev = runtime_builders.evict_for(self.vllm_config, self.device)
         if ev is not None and self._evict_paged is None:
             self._evict_paged = make_paged(ev.layers[0], self.block_size, self.dtype)
         cm = plan_step(self.vllm_config, common_attn_metadata, self.block_size, self._sfi, ev, self._evict_paged)

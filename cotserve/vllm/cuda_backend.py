@@ -58,7 +58,7 @@ def _runtime(vllm_config, device) -> GraphSFI:
                                      gpu_memory.started_by_cotserve(vllm_config))
         given = settings().sfi_max_k
         max_k = (given if given is not None else option_default(SFIOptions, "k")) if slots else 0
-        from cotserve.vllm.runtime_access import model_tokenizer
+        from cotserve.vllm.runtime_builders import model_tokenizer
 
         tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")
         proc.graph_sfi = GraphSFI(ordered, first.num_heads, first.num_kv_heads, first.head_size, first.scale,
@@ -70,13 +70,13 @@ def _runtime(vllm_config, device) -> GraphSFI:
 def _evict_runtime(vllm_config, device):
     """The eviction runtime, made before the graphs are captured (its ring write is in them);
     `COTSERVE_VLLM_EVICT_SLOTS=0` leaves it out."""
-    from cotserve.vllm import runtime_access
+    from cotserve.vllm import runtime_builders
 
     given = settings().evict_slots
     slots = given if given is not None else vllm_config.scheduler_config.max_num_seqs
     if slots <= 0 or "EvictingScheduler" not in str(vllm_config.scheduler_config.scheduler_cls or ""):
         return None  # left out, or no eviction served (asynchronous scheduling or prefix caching on)
-    return runtime_access.evict_for(vllm_config, device, force=True, slots=slots)
+    return runtime_builders.evict_for(vllm_config, device, force=True, slots=slots)
 
 
 def _at_model_load(vllm_config) -> tuple[torch.device, bool, bool] | None:

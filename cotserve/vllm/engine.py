@@ -35,11 +35,11 @@ from cotserve.errors import EngineDead, ModelError, PolicyError, RequestError
 from cotserve.policies.base import PolicyStack
 from cotserve.vllm import compat
 from cotserve.vllm.architectures import hf_overrides
+from cotserve.vllm.batch_rows import request_policy_of
 from cotserve.vllm.failures import is_engine_dead
 from cotserve.vllm.gpu_memory import COTSERVE_CONFIG
 from cotserve.vllm.kv_capacity import KVCapacity
 from cotserve.vllm.params import policy_extra_args, sampling_params, worker_logprobs
-from cotserve.vllm.requests import request_policy_of
 
 # vLLM's scheduler plus the block side of physical eviction (`scheduler.py`)
 EVICTING_SCHEDULER = "cotserve.vllm.scheduler.EvictingScheduler"

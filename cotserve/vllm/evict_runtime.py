@@ -42,10 +42,10 @@ from cotserve.policies.boundaries import thought_delimiter_ids
 from cotserve.policies.rkv import rkv_scores
 from cotserve.policies.scoring import protected_top
 from cotserve.policies.skipkv import SentenceTrack
+from cotserve.vllm.batch_rows import MAX_EVICT_WINDOW, BatchRows, RowRequest, h2o_max_len
 from cotserve.vllm.compat import host_lens, metadata_with, set_host_lens
 from cotserve.vllm.eviction_ledger import EvictionLedger, cdiv
 from cotserve.vllm.h2o_scores import H2OScores
-from cotserve.vllm.requests import MAX_EVICT_WINDOW, BatchRows, RowRequest, h2o_max_len
 from cotserve.vllm.settings import settings
 from cotserve.vllm.telemetry import write_telemetry
 

@@ -30,7 +30,7 @@ from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, padded, to_device
 from cotserve.policies.sfi.state import ring_size, sfi_telemetry
-from cotserve.vllm.requests import BatchRows, RowRequest
+from cotserve.vllm.batch_rows import BatchRows, RowRequest
 from cotserve.vllm.telemetry import allocator_counters, telemetry_on, write_telemetry
 
 __all__ = ["GraphSFI", "SlotState", "W_MAX", "padded", "ring_size", "sfi_telemetry", "write_telemetry"]

@@ -6,7 +6,7 @@ of the attention probabilities it has received: the prompt's causal attention fr
 their KV head (`group_reduce` sum | max). Here the same, on vLLM's paged cache:
 
 * prefill (eager on every backend): each chunk vLLM computes adds the attention its query rows
-  pay to the entries so far (`baseline_utils.chunk_colsums`, keys read from the paged cache); per
+  pay to the entries so far (`attention_parts.chunk_colsums`, keys read from the paged cache); per
   query head, in a per-request buffer [L, Hq, prefill_len], since `max` reduces the prompt's column
   sums over the group only once they are complete (as the native policy does);
 * decode: each step's probabilities of an h2o row over its physical entries are added into the
@@ -22,7 +22,7 @@ their KV head (`group_reduce` sum | max). Here the same, on vLLM's paged cache:
 
 Physical entries of an h2o request never exceed `max_len` while it decodes: its prompt compacts to
 `budget` before the first decode step when longer, then it holds at most `budget + interval`
-(requests asking for more are refused when they arrive, `requests.h2o_max_len`).
+(requests asking for more are refused when they arrive, `batch_rows.h2o_max_len`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from cotserve.kernels.h2o_paged import MAX, SUM, h2o_paged_accumulate
-from cotserve.policies.baseline_utils import chunk_colsums, decode_probs, reduce_group
+from cotserve.policies.attention_parts import chunk_colsums, decode_probs, reduce_group
 
 
 @dataclass

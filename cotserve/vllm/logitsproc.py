@@ -16,9 +16,9 @@ import torch
 from cotserve.errors import CotserveError
 from cotserve.vllm import compat
 from cotserve.vllm.architectures import asks_for_cotserve
+from cotserve.vllm.batch_rows import RequestPolicy, RowRequest, request_policy_of
 from cotserve.vllm.compat import BatchUpdate, LogitsProcessor, MoveDirectionality
 from cotserve.vllm.process import runtimes
-from cotserve.vllm.requests import RequestPolicy, RowRequest, request_policy_of
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ vLLM builds its attention backends, logits processors and model classes itself, 
 can be handed cotserve's state; they find it here instead. One `ProcessRuntimes` per vLLM worker
 process holds:
 
-* `rows`: which request sits in which batch row, with its policy (`requests.BatchRows`), fed by
+* `rows`: which request sits in which batch row, with its policy (`batch_rows.BatchRows`), fed by
   the row tracker (`logitsproc.RowTracker`) and read by the attention backends;
 * `hidden`: the last forward's final hidden states (`hidden.HiddenBuffer`), for SkipKV;
 * `sfi_access`: the CPU backend's SFI runtime and its layers (`sfi_access.SFIAccess`), made at
@@ -16,7 +16,7 @@ process holds:
 * `scratch` and `reserved`: the working tensors' GPU reservation made at model load and what was
   reserved there, by purpose (`gpu_memory`).
 
-Builders fill the runtime fields on first need (`runtime_access`, `cuda_backend`); until then they
+Builders fill the runtime fields on first need (`runtime_builders`, `cuda_backend`); until then they
 are None. `reset()` empties the object in place (the same instance), for tests.
 """
 
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cotserve.vllm.batch_rows import BatchRows
 from cotserve.vllm.hidden import HiddenBuffer
-from cotserve.vllm.requests import BatchRows
 
 if TYPE_CHECKING:
     from cotserve.vllm.evict_runtime import EvictRuntime

@@ -29,9 +29,9 @@ from typing import Any
 
 from cotserve.errors import CotserveError
 from cotserve.vllm import compat
+from cotserve.vllm.batch_rows import request_policy_of
 from cotserve.vllm.compat import AsyncScheduler, CountsPreemptions, Scheduler
 from cotserve.vllm.eviction_ledger import EvictionLedger
-from cotserve.vllm.requests import request_policy_of
 from cotserve.vllm.settings import settings
 from cotserve.vllm.telemetry import write_telemetry
 from cotserve.vllm.thought_telemetry import sfi_step_telemetry, thought_telemetry
@@ -96,7 +96,7 @@ class _SFITelemetry:
     def _model_tokenizer(self):
         """The model's tokenizer (sentence boundaries, thoughts), loaded on first use; None without one."""
         if self._sfi_tok is False:
-            from cotserve.vllm.runtime_access import model_tokenizer
+            from cotserve.vllm.runtime_builders import model_tokenizer
 
             self._sfi_tok = model_tokenizer(self.vllm_config.model_config,  # type: ignore[attr-defined]
                                             "the sentence boundaries and thoughts of the telemetry")

@@ -1,6 +1,6 @@
 """The CPU backend's SFI runtime bound to vLLM's attention layers (`SFIAccess`).
 
-`runtime_access.runtime_for` makes it at the first step with an SFI request and keeps it in
+`runtime_builders.runtime_for` makes it at the first step with an SFI request and keeps it in
 `process.runtimes().sfi_access`; the CPU backend's metadata builder plans each step through it,
 and its layers call `SFIRuntime.attend` with the paged cache reader made here.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cotserve.vllm import compat
-from cotserve.vllm.requests import BatchRows
+from cotserve.vllm.batch_rows import BatchRows
 from cotserve.vllm.sfi_runtime import SFIRuntime, StepPlan
 
 _LAYER = re.compile(r"layers\.(\d+)\.")

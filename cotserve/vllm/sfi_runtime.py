@@ -49,7 +49,7 @@ from cotserve.policies.sfi.attention import fast_attention, slow_attention
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_from_evidence
 from cotserve.policies.sfi.state import SFIRequestState, ring_size, sfi_telemetry
-from cotserve.vllm.requests import BatchRows, RowRequest
+from cotserve.vllm.batch_rows import BatchRows, RowRequest
 from cotserve.vllm.telemetry import write_telemetry
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cotserve.vllm.requests import BatchRows, RowRequest
+from cotserve.vllm.batch_rows import BatchRows, RowRequest
 from cotserve.vllm.settings import settings, variable
 from cotserve.vllm.telemetry import write_telemetry
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from cotserve.vllm import compat, runtime_access
+from cotserve.vllm import compat, runtime_builders
 from cotserve.vllm.process import runtimes
 
 
@@ -35,7 +35,7 @@ class SFIStage(Protocol):
 def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: Any, evict_paged: Any) -> Any:
     """Steps 1-4 for one step's common attention metadata `cm`; returns the metadata to build."""
     proc = runtimes()
-    steer = runtime_access.steer_for(vllm_config)
+    steer = runtime_builders.steer_for(vllm_config)
     if steer is not None:
         steer.plan(proc.rows, cm, proc.steer_buffers)
     sfi.before_compaction(cm, block_size)

@@ -1,6 +1,6 @@
 """The worker: drives one engine from a `JobQueue` (claim, decode, publish, acknowledge).
 
-`static.py` (`Worker`: a claimed group runs to its end), `continuous.py` (`ContinuousWorker`: a
+`group_worker.py` (`Worker`: a claimed group runs to its end), `continuous.py` (`ContinuousWorker`: a
 job joins whenever a slot is free; `make_worker` picks one for `--scheduler`), `events.py` (the
 stream's events, shared by both), `main.py` (`cotserve worker`, the embedded worker thread,
 `EngineArgs`), `metrics.py` (the worker's Prometheus metrics; no torch, the gateway shares its
@@ -16,7 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Worker": "static", "HEARTBEAT_MISSES": "static",
+    "Worker": "group_worker", "HEARTBEAT_MISSES": "group_worker",
     "ContinuousWorker": "continuous", "make_worker": "continuous", "SCHEDULERS": "continuous",
     "delta_event": "events", "done_event": "events", "diverged_error": "events", "published_state": "events",
     "EngineArgs": "main", "make_engine": "main", "run_worker": "main", "start_worker_thread": "main",
@@ -31,9 +31,9 @@ __all__ = [
 if TYPE_CHECKING:
     from cotserve.worker.continuous import SCHEDULERS, ContinuousWorker, make_worker
     from cotserve.worker.events import delta_event, diverged_error, done_event, published_state
+    from cotserve.worker.group_worker import HEARTBEAT_MISSES, Worker
     from cotserve.worker.main import EngineArgs, make_engine, run_worker, start_worker_thread
     from cotserve.worker.metrics import WorkerMetrics
-    from cotserve.worker.static import HEARTBEAT_MISSES, Worker
 
 
 def __getattr__(name: str) -> Any:

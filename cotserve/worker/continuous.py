@@ -14,7 +14,7 @@ publishes whatever output arrived, one event per request per engine step at most
 fails there fails its own job alone.
 
 Everything else (heart-beats, reaping, deadlines, resuming a job after a lost worker, `n`
-sequences per job, logprobs, request logs) follows the static worker (`worker/static.py`).
+sequences per job, logprobs, request logs) follows the static worker (`worker/group_worker.py`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from cotserve.errors import CotserveError, EngineDead, RequestError
 from cotserve.policies.registry import build_policy
 from cotserve.queue.base import Job, JobQueue, kv_need
 from cotserve.worker.events import Resume, delta_event, diverged_error, done_event
+from cotserve.worker.group_worker import Worker
 from cotserve.worker.metrics import WorkerMetrics
-from cotserve.worker.static import Worker
 
 log = logging.getLogger("cotserve.worker")
 

@@ -1,4 +1,4 @@
-"""SFI inside the continuous engine's pooled decode step (`cotserve/engine/graph_pool.py`).
+"""SFI inside the continuous engine's pooled decode step (`cotserve/engine/pooled_decode.py`).
 
 The continuous engine keeps, on CUDA, one KV pool per engine: `k[layer]` [slots + 1, H, length, D]
 (the last slot is the pad slot: padding rows of a batch-size bucket write there) at fixed

@@ -1,4 +1,5 @@
-"""A worker: drives one `NativeEngine` from a `JobQueue`.
+"""The group worker (`--scheduler static`): drives one `NativeEngine` from a `JobQueue`, a claimed
+group of jobs at a time, each group run to its end.
 
 Loop: heart-beat (own thread), reap dead workers' jobs now and then, claim a group of jobs with
 the same policy key and similar prompt length (at most max_batch jobs and, when the engine reports
