@@ -22,6 +22,7 @@ tested against it on random inputs (on the CPU through TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -263,6 +264,57 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     return out
 
 
+def layer_offsets(tensors: list[torch.Tensor]) -> list[int]:
+    """Each layer's element offset from the first layer's pointer, for kernels that read every layer in
+    one launch through the first layer's tensor (the layers may be separate allocations, as vLLM makes
+    them, or views of one). The layers must share dtype, shape and strides."""
+    t0 = tensors[0]
+    es = t0.element_size()
+    for t in tensors:
+        if t.dtype != t0.dtype or t.shape != t0.shape or t.stride() != t0.stride() or t.device != t0.device:
+            raise ValueError("the layers' paged caches differ in dtype, shape or layout: SFI needs uniform layers")
+    out = []
+    for t in tensors:
+        delta = t.data_ptr() - t0.data_ptr()
+        if delta % es:
+            raise ValueError("a layer's paged cache is not aligned to its element size")
+        out.append(delta // es)
+    return out
+
+
+@dataclass(frozen=True)
+class PagedLayers:
+    """Every layer's paged keys and values [blocks, block, H, D] and each layer's element offset from
+    the first layer's (device int64 [L], `layer_offsets`): with them one launch reads any layer
+    through the first layer's pointer."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    key_off: torch.Tensor
+    value_off: torch.Tensor
+
+    @classmethod
+    def of(cls, keys: list[torch.Tensor], values: list[torch.Tensor]) -> PagedLayers:
+        dev = keys[0].device
+
+        def table(ts: list[torch.Tensor]) -> torch.Tensor:
+            t = torch.tensor(layer_offsets(ts), dtype=torch.int64)
+            # pinned and asynchronous on CUDA: built inside a step, it must not wait for the GPU
+            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+        return cls(tuple(keys), tuple(values), table(keys), table(values))
+
+
+_ZERO: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_offset(device: torch.device) -> torch.Tensor:
+    """A one-layer offset table ([0]) on `device`, made once."""
+    if device not in _ZERO:
+        _ZERO[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _ZERO[device]
+
+
 def paged_logits_reference(q: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor, n: int
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of query rows over the first n paged keys, and those keys' norms (plain torch).
@@ -279,13 +331,23 @@ def paged_logits_reference(q: torch.Tensor, key_cache: torch.Tensor, block_table
     return torch.stack(out), torch.stack(norms)
 
 
+def paged_logits_layers_reference(q: torch.Tensor, key_caches: list[torch.Tensor], block_table: torch.Tensor,
+                                  n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_logits_reference` for several layers: q [J, nl, H, R, D], one key cache per layer;
+    returns (logits [J, nl, H, R, n], norms [J, nl, H, n])."""
+    parts = [paged_logits_reference(q[:, i], kc, block_table, n) for i, kc in enumerate(key_caches)]
+    return torch.stack([p[0] for p in parts], 1), torch.stack([p[1] for p in parts], 1)
+
+
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["n", "sbt_j"])
-    def _paged_logits_kernel(Q, KC, BT, OUT, NORM, n, sq_j, sq_h, sq_r, skc_b, skc_o, skc_h, sbt_j,
-                             so_j, so_h, so_r, sn_j, sn_h, R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
-                             BS: tl.constexpr, BLOCK_N: tl.constexpr):
-        j = tl.program_id(0).to(tl.int64)
+    @triton.jit(do_not_specialize=["n", "sbt_j", "nl", "l0"])
+    def _paged_logits_kernel(Q, KC, KOFF, BT, OUT, NORM, n, nl, l0, sq_j, sq_l, sq_h, sq_r, skc_b, skc_o, skc_h,
+                             sbt_j, so_j, so_l, so_h, so_r, sn_j, sn_l, sn_h, R: tl.constexpr, RP: tl.constexpr,
+                             D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+        jl = tl.program_id(0)
+        j = (jl // nl).to(tl.int64)
+        li = (jl % nl).to(tl.int64)
         h = tl.program_id(1)
         start = tl.program_id(2) * BLOCK_N
         offs_r = tl.arange(0, RP)
@@ -293,35 +355,60 @@ if HAVE_TRITON:
         offs_n = start + tl.arange(0, BLOCK_N)
         rmask = offs_r < R
         valid = offs_n < n
-        q = tl.load(Q + j * sq_j + h * sq_h + offs_r[:, None] * sq_r + offs_d[None, :], mask=rmask[:, None], other=0.0)
+        kc = KC + tl.load(KOFF + l0 + li)  # this layer's keys
+        q = tl.load(Q + j * sq_j + li * sq_l + h * sq_h + offs_r[:, None] * sq_r + offs_d[None, :],
+                    mask=rmask[:, None], other=0.0)
         blk = tl.load(BT + j * sbt_j + offs_n // BS, mask=valid, other=0).to(tl.int64)
-        k = tl.load(KC + blk[:, None] * skc_b + (offs_n % BS)[:, None] * skc_o + h * skc_h + offs_d[None, :],
+        k = tl.load(kc + blk[:, None] * skc_b + (offs_n % BS)[:, None] * skc_o + h * skc_h + offs_d[None, :],
                     mask=valid[:, None], other=0.0)
         s = tl.dot(q.to(k.dtype), tl.trans(k))
-        tl.store(OUT + j * so_j + h * so_h + offs_r[:, None] * so_r + offs_n[None, :], s,
+        tl.store(OUT + j * so_j + li * so_l + h * so_h + offs_r[:, None] * so_r + offs_n[None, :], s,
                  mask=rmask[:, None] & valid[None, :])
         kf = k.to(tl.float32)
-        tl.store(NORM + j * sn_j + h * sn_h + offs_n, tl.sqrt(tl.sum(kf * kf, 1)), mask=valid)
+        tl.store(NORM + j * sn_j + li * sn_l + h * sn_h + offs_n, tl.sqrt(tl.sum(kf * kf, 1)), mask=valid)
+
+
+def paged_logits_layers(q: torch.Tensor, layers: PagedLayers, l0: int, block_table: torch.Tensor, n: int,
+                        out: torch.Tensor, norms: torch.Tensor, block_n: int = 64) -> None:
+    """Triton form of `paged_logits_layers_reference` in one launch for layers l0 .. l0 + nl - 1 of
+    `layers`: q [J, nl, H, R, D] (scaled) into out [J, nl, H, R, n] and norms [J, nl, H, n] float32.
+    One read of the keys, in place, no gathered copy."""
+    j, nl, h, r, d = q.shape
+    if not HAVE_TRITON:
+        want, wnorm = paged_logits_layers_reference(q, list(layers.keys[l0 : l0 + nl]), block_table, n)
+        out.copy_(want)
+        norms.copy_(wnorm)
+        return
+    _logits_launch(q, layers.keys[0], layers.key_off, l0, block_table, n, out, norms, block_n)
+
+
+def _logits_launch(q: torch.Tensor, key_cache: torch.Tensor, key_off: torch.Tensor, l0: int,
+                   block_table: torch.Tensor, n: int, out: torch.Tensor, norms: torch.Tensor, block_n: int) -> None:
+    j, nl, h, r, d = q.shape
+    for t in (q, key_cache, out, norms):
+        assert t.stride(-1) == 1
+    rp = max(16, triton.next_power_of_2(r))
+    grid = (j * nl, h, triton.cdiv(n, block_n))
+    _paged_logits_kernel[grid](q, key_cache, key_off, block_table, out, norms, n, nl, l0, q.stride(0), q.stride(1),
+                               q.stride(2), q.stride(3), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                               block_table.stride(0), out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+                               norms.stride(0), norms.stride(1), norms.stride(2),
+                               R=r, RP=rp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
 
 
 def paged_logits(q: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor, n: int,
                  out: torch.Tensor | None = None, norms: torch.Tensor | None = None, block_n: int = 64
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton form of `paged_logits_reference` (one read of the keys, no gathered copy)."""
+    """Triton form of `paged_logits_reference` (one layer: `paged_logits_layers` with one entry)."""
     if not HAVE_TRITON:
         return paged_logits_reference(q, key_cache, block_table, n)
-    j, h, r, d = q.shape
+    j, h, r, _ = q.shape
     if out is None:
         out = torch.empty(j, h, r, n, dtype=torch.float32, device=q.device)
     if norms is None:
         norms = torch.empty(j, h, n, dtype=torch.float32, device=q.device)
-    assert q.stride(-1) == 1 and key_cache.stride(-1) == 1 and out.stride(-1) == 1 and norms.stride(-1) == 1
-    rp = max(16, triton.next_power_of_2(r))
-    grid = (j, h, triton.cdiv(n, block_n))
-    _paged_logits_kernel[grid](q, key_cache, block_table, out, norms, n, q.stride(0), q.stride(1), q.stride(2),
-                               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-                               out.stride(0), out.stride(1), out.stride(2), norms.stride(0), norms.stride(1),
-                               R=r, RP=rp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
+    _logits_launch(q.unsqueeze(1), key_cache, _zero_offset(q.device), 0, block_table, n, out.unsqueeze(1),
+                   norms.unsqueeze(1), block_n)
     return out, norms
 
 
@@ -342,42 +429,69 @@ def paged_pack_reference(keys: torch.Tensor, block_table: torch.Tensor, key_cach
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["m", "sbt_j"])
-    def _pack_kernel(KEYS, BT, KC, VC, CK, CV, SLOTS, m, sk_j, sk_h, sbt_j, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
-                     sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, D: tl.constexpr, BS: tl.constexpr,
-                     BLOCK: tl.constexpr):
-        j = tl.program_id(0).to(tl.int64)
+    @triton.jit(do_not_specialize=["m", "sbt_j", "nl"])
+    def _pack_kernel(KEYS, BT, KC, VC, KOFF, VOFF, CK, CV, SLOTS, m, nl, sk_j, sk_l, sk_h, sbt_j, skc_b, skc_o,
+                     skc_h, svc_b, svc_o, svc_h, sck_l, sck_s, sck_h, sck_c, scv_l, scv_s, scv_h, scv_c,
+                     D: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr):
+        jl = tl.program_id(0)
+        j = (jl // nl).to(tl.int64)
+        li = (jl % nl).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < m
         offs_d = tl.arange(0, D)
-        pos = tl.load(KEYS + j * sk_j + h * sk_h + offs, mask=ok, other=0)
+        kc = KC + tl.load(KOFF + li)
+        vc = VC + tl.load(VOFF + li)
+        pos = tl.load(KEYS + j * sk_j + li * sk_l + h * sk_h + offs, mask=ok, other=0)
         blk = tl.load(BT + j * sbt_j + pos // BS, mask=ok, other=0).to(tl.int64)
         off = (pos % BS).to(tl.int64)
         slot = tl.load(SLOTS + j).to(tl.int64)
-        k = tl.load(KC + blk[:, None] * skc_b + off[:, None] * skc_o + h * skc_h + offs_d[None, :], mask=ok[:, None])
-        tl.store(CK + slot * sck_s + h * sck_h + offs[:, None] * sck_c + offs_d[None, :], k, mask=ok[:, None])
-        v = tl.load(VC + blk[:, None] * svc_b + off[:, None] * svc_o + h * svc_h + offs_d[None, :], mask=ok[:, None])
-        tl.store(CV + slot * scv_s + h * scv_h + offs[:, None] * scv_c + offs_d[None, :], v, mask=ok[:, None])
+        k = tl.load(kc + blk[:, None] * skc_b + off[:, None] * skc_o + h * skc_h + offs_d[None, :], mask=ok[:, None])
+        tl.store(CK + li * sck_l + slot * sck_s + h * sck_h + offs[:, None] * sck_c + offs_d[None, :], k,
+                 mask=ok[:, None])
+        v = tl.load(vc + blk[:, None] * svc_b + off[:, None] * svc_o + h * svc_h + offs_d[None, :], mask=ok[:, None])
+        tl.store(CV + li * scv_l + slot * scv_s + h * scv_h + offs[:, None] * scv_c + offs_d[None, :], v,
+                 mask=ok[:, None])
 
 
-def paged_pack(keys: torch.Tensor, block_table: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               ck: torch.Tensor, cv: torch.Tensor, slots: torch.Tensor, block: int = 64) -> None:
-    """Triton form of `paged_pack_reference`: one launch, each entry read once from the paged cache."""
+def paged_pack_layers(keys: torch.Tensor, block_table: torch.Tensor, layers: PagedLayers, ck: torch.Tensor,
+                      cv: torch.Tensor, slots: torch.Tensor, block: int = 64) -> None:
+    """`paged_pack_reference` for every layer of `layers` in one launch: keys [J, L, H, m] into ck,
+    cv [L, slots, H, C, D]. Each entry read once from the paged cache."""
     if not HAVE_TRITON:
-        paged_pack_reference(keys, block_table, key_cache, value_cache, ck, cv, slots)
+        for li, (kc, vc) in enumerate(zip(layers.keys, layers.values, strict=True)):
+            paged_pack_reference(keys[:, li], block_table, kc, vc, ck[li], cv[li], slots)
         return
-    j, h, m = keys.shape
+    _pack_launch(keys, block_table, layers.keys[0], layers.values[0], layers.key_off, layers.value_off, ck, cv,
+                 slots, block)
+
+
+def _pack_launch(keys: torch.Tensor, block_table: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 key_off: torch.Tensor, value_off: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
+                 slots: torch.Tensor, block: int) -> None:
+    j, nl, h, m = keys.shape
     if m == 0:
         return
     d = key_cache.shape[-1]
     for t in (keys, key_cache, value_cache, ck, cv):
         assert t.stride(-1) == 1
-    _pack_kernel[(j, h, triton.cdiv(m, block))](
-        keys, block_table, key_cache, value_cache, ck, cv, slots, m, keys.stride(0), keys.stride(1),
-        block_table.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
-        value_cache.stride(1), value_cache.stride(2), ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0),
-        cv.stride(1), cv.stride(2), D=d, BS=key_cache.shape[1], BLOCK=block)
+    _pack_kernel[(j * nl, h, triton.cdiv(m, block))](
+        keys, block_table, key_cache, value_cache, key_off, value_off, ck, cv, slots, m, nl, keys.stride(0),
+        keys.stride(1), keys.stride(2), block_table.stride(0), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), ck.stride(0),
+        ck.stride(1), ck.stride(2), ck.stride(3), cv.stride(0), cv.stride(1), cv.stride(2), cv.stride(3),
+        D=d, BS=key_cache.shape[1], BLOCK=block)
+
+
+def paged_pack(keys: torch.Tensor, block_table: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               ck: torch.Tensor, cv: torch.Tensor, slots: torch.Tensor, block: int = 64) -> None:
+    """Triton form of `paged_pack_reference` (one layer: `paged_pack_layers` with one entry)."""
+    if not HAVE_TRITON:
+        paged_pack_reference(keys, block_table, key_cache, value_cache, ck, cv, slots)
+        return
+    zero = _zero_offset(keys.device)
+    _pack_launch(keys.unsqueeze(1), block_table, key_cache, value_cache, zero, zero, ck.unsqueeze(0),
+                 cv.unsqueeze(0), slots, block)
 
 
 def ring_write_reference(q: torch.Tensor, ring: torch.Tensor, w_tok: torch.Tensor, w_slot: torch.Tensor,

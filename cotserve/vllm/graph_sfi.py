@@ -286,6 +286,9 @@ class GraphSFI(PagedSFI):
             req.state = None
 
     # -- the paged cache ----------------------------------------------------------------------
+    def _cache_objects(self) -> tuple:
+        return tuple(layer.kv_cache for layer in self.layers)  # vLLM binds them after the model loads
+
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's paged keys and values, views [blocks, block, H, D] of vLLM's cache."""
         kv = self.layers[layer].kv_cache

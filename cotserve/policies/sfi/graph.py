@@ -91,6 +91,9 @@ class NativeGraphSFI(PagedSFI):
         self.w_slot.fill_(self.slots)  # scratch
         self._warm(cfg, 0)
 
+    def _cache_objects(self) -> tuple:
+        return (self.cache.k, self.cache.v)
+
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.k[layer].transpose(1, 2), self.cache.v[layer].transpose(1, 2)
 

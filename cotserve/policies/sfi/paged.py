@@ -20,10 +20,13 @@ taken at the step that computed the evidence, with that step's block row), and t
 being copies, stay readable after their entries left the cache, until the next refresh.
 
 A refresh (`refresh`) computes the evidence of a sequence's ring rows over its history, read in
-place from the paged cache (`kernels.sfi_paged.paged_logits`), runs the selector's steps 2-5
-(the fused Triton selector, or `cotserve.policies`' own functions) on all layers at once, and
-re-packs the compact buffers (`paged_pack`). The engine-specific part, how the cache is viewed
-as pages and how rows are planned each step, is the subclass's.
+place from the paged cache (`kernels.sfi_paged.paged_logits_layers`), runs the selector's steps
+2-5 (the fused Triton selector, or `cotserve.policies`' own functions) on all layers at once, and
+re-packs the compact buffers (`paged_pack_layers`). Both kernels read every layer in one launch
+through a table of the layers' offsets (`PagedLayers`, taken once and kept while the engine's
+cache tensors stay the same objects): a refresh's host time does not grow with the layer count.
+The engine-specific part, how the cache is viewed as pages and how rows are planned each step,
+is the subclass's.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cotserve.kernels.sfi_paged import paged_logits, paged_pack, ring_write
+from cotserve.kernels.sfi_paged import PagedLayers, paged_logits_layers, paged_pack_layers, ring_write
 from cotserve.kernels.sfi_select import fused_supported, selector_scores, topk_sorted
 from cotserve.policies import selector as sel
 from cotserve.policies.options import SFIOptions, option_default
@@ -127,6 +130,7 @@ class PagedSFI:
         self.refreshes = 0
         self._warmed: set[tuple] = set()
         self._logits: torch.Tensor | None = None  # `logits_buffer`'s storage
+        self._layers: tuple[tuple, PagedLayers] | None = None  # `layers`' cache: (the engine's cache objects, views)
 
     def logits_buffer(self, *shape: int) -> torch.Tensor:
         """float32 `shape` laid out as `padded` lays it out, a view of one buffer that every chunk of
@@ -176,8 +180,20 @@ class PagedSFI:
         """The layer's keys and values as paged views [blocks, block, H, D] (the engine's layout)."""
         raise NotImplementedError
 
-    def _keys(self, layer: int) -> torch.Tensor:
-        return self._kv(layer)[0]
+    def _cache_objects(self) -> tuple:
+        """The engine's cache tensors the layer views are taken of (compared by identity: when the
+        engine binds new ones, the views are taken again)."""
+        raise NotImplementedError
+
+    def paged_layers(self) -> PagedLayers:
+        """Every layer's paged keys and values with their offset tables, for the refresh's one-launch
+        kernels; taken once and kept while the engine's cache tensors stay the same objects."""
+        objs = self._cache_objects()
+        cached = self._layers
+        if cached is None or len(cached[0]) != len(objs) or any(a is not b for a, b in zip(cached[0], objs, strict=True)):
+            kv = [self._kv(li) for li in range(self.L)]
+            cached = self._layers = (objs, PagedLayers.of([k for k, _ in kv], [v for _, v in kv]))
+        return cached[1]
 
     def refresh(self, states: list[SlotState], blocks: torch.Tensor, block_size: int,
                 budget: int = REFRESH_FLOATS) -> None:
@@ -203,6 +219,7 @@ class PagedSFI:
         pos = torch.arange(n, device=dev)
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
         fused = fused_supported(cfg) and tpos is None  # the fused selector's prior reads indices as positions
+        views = self.paged_layers()
         k_eff = max(0, min(cfg.k, n - cfg.sinks))
         keeps, fs, norms_all = [], [], []
         for l0 in range(0, self.L, chunk):
@@ -211,8 +228,7 @@ class PagedSFI:
             q = (q.permute(1, 0, 3, 2, 4).reshape(j, nl, self.hkv, self.g * r, self.d) * self.scale).contiguous()
             logits = self.logits_buffer(j, nl, self.hkv, self.g * r, n)
             norms = padded(j, nl, self.hkv, n, device=dev)
-            for i in range(nl):  # one read of the layer's keys, in place in the paged cache
-                paged_logits(q[:, i], self._keys(l0 + i), blocks, n, out=logits[:, i], norms=norms[:, i])
+            paged_logits_layers(q, views, l0, blocks, n, logits, norms)  # one read of the keys, in place
             logits = logits.view(j, nl, self.hkv, self.g, r, n)
             logits[..., : cfg.sinks] = float("-inf")
             if tpos is not None:  # causal, by true position
@@ -247,10 +263,7 @@ class PagedSFI:
         fresh[..., :m] = true.transpose(0, 1)
         self.cpos.index_copy_(1, slots, fresh)
         # pack: read only the kept entries, straight from the paged cache
-        slots32 = slots.to(torch.int32)
-        for li in range(self.L):
-            kc, vc = self._kv(li)
-            paged_pack(keys[:, li], blocks, kc, vc, self.ck[li], self.cv[li], slots32)
+        paged_pack_layers(keys, blocks, views, self.ck, self.cv, slots.to(torch.int32))
         for st in states:
             st.k_eff = keep.shape[-1]
 
@@ -261,20 +274,20 @@ class PagedSFI:
         if key in self._warmed:
             return
         self._warmed.add(key)
-        kc, vc = self._kv(0)
+        views = self.paged_layers()  # also checks, at admission, that the layers' caches are uniform
         dev = self.device
         bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
-        n = kc.shape[1]  # one block
+        n = views.keys[0].shape[1]  # one block
         for rows in sorted({cfg.obs_window, cfg.prefill_window}):
-            q = torch.zeros(1, self.hkv, self.g * rows, self.d, dtype=self.ring.dtype, device=dev)
-            logits, norms = padded(1, self.hkv, self.g * rows, n, device=dev), padded(1, self.hkv, n, device=dev)
-            paged_logits(q, kc, bt, n, out=logits, norms=norms)
+            q = torch.zeros(1, 1, self.hkv, self.g * rows, self.d, dtype=self.ring.dtype, device=dev)
+            logits, norms = padded(1, 1, self.hkv, self.g * rows, n, device=dev), padded(1, 1, self.hkv, n, device=dev)
+            paged_logits_layers(q, views, 0, bt, n, logits, norms)
             if fused_supported(cfg):
-                topk_sorted(selector_scores(cfg, logits, norms, n - 1), 1)
+                topk_sorted(selector_scores(cfg, logits[:, 0], norms[:, 0], n - 1), 1)
         # the re-pack, into the slot being admitted (its contents are replaced at its first refresh)
         slot_t = torch.tensor([slot], dtype=torch.int32, device=dev)
         keys = padded(1, self.L, self.hkv, min(cfg.sinks + cfg.k, self.C), dtype=torch.long, device=dev).zero_()
-        paged_pack(keys[:, 0], bt, kc, vc, self.ck[0], self.cv[0], slot_t)
+        paged_pack_layers(keys, bt, views, self.ck, self.cv, slot_t)
 
     # -- telemetry -----------------------------------------------------------------------------
     telemetry = staticmethod(sfi_telemetry)

@@ -87,6 +87,9 @@ class PooledSFI(PagedSFI):
     def over(cls, pool: PoolView) -> PooledSFI:
         return cls(pool.k, pool.v, pool.num_heads, pool.scaling, pool.capacity(KIND, DEFAULT_K), pool.tokenizer)
 
+    def _cache_objects(self) -> tuple:
+        return (self.k, self.v)
+
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
 
