@@ -473,9 +473,10 @@ def test_allocator_counters_count_device_allocations_cuda():
     from cotserve.vllm.telemetry import ALLOCATOR_COUNTERS, allocator_counters
 
     dev = torch.device("cuda")
+    torch.cuda.empty_cache()  # blocks earlier tests left cached could serve the request below
     before = allocator_counters(dev)
     assert set(before) == set(ALLOCATOR_COUNTERS)
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # larger than any cached block: a new cudaMalloc
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # nothing cached: a new cudaMalloc
     assert allocator_counters(dev)["cuda_device_allocs"] > before["cuda_device_allocs"]
     del x
 
