@@ -270,8 +270,31 @@ def bench_fidelity(
     dtype: DtypeOpt = "auto",
     forced: Annotated[str, typer.Option(help="Tokens fed at each step: 'text' (the text's true next tokens) "
                                         "or 'greedy' (dense's own greedy continuation).")] = "text",
+    engine: Annotated[str, typer.Option(help="native, or vllm (vLLM with cotserve's plugin, text forcing only; "
+                                             "KL over the top --top tokens vLLM reports).")] = "native",
+    top: Annotated[int, typer.Option(help="vllm: log-probs per step (1-20) for the top-K KL.")] = 20,
+    gpu_memory_utilization: GpuMemOpt = None,
 ) -> None:
     """Top-1 agreement and KL of policies against dense decoding, teacher-forced on the same tokens."""
+    if engine not in ("native", "vllm"):
+        fail(f"--engine must be native or vllm (got {engine!r})")
+        return
+    if engine == "vllm":
+        if forced != "text":
+            fail("--engine vllm forces the text's tokens only (--forced text)")
+            return
+        try:
+            from cotserve.bench.vllm_fidelity import run_vllm_fidelity_bench
+
+            report = run_vllm_fidelity_bench(
+                [policy], context, steps, batch, policy_opt, policy_file, model, data_dir,
+                dtype=dtype, gpu_memory_utilization=gpu_memory_utilization or 0.75, random_tokens=random_tokens,
+                top=top)
+        except CotserveError as exc:
+            fail(str(exc))
+            return
+        _emit_json(report, json_out)
+        return
     try:
         from cotserve.bench.fidelity import run_fidelity_bench
 
