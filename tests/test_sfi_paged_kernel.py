@@ -209,3 +209,12 @@ def test_layer_offsets_refuse_layers_that_differ():
         sp.layer_offsets([keys[0], keys[1][:10]])
     with pytest.raises(ValueError, match="uniform"):
         sp.layer_offsets([keys[0], keys[1].to(torch.float16)])
+
+
+def test_layer_offsets_refuse_layers_less_than_16_elements_apart():
+    """The kernels promise the compiler 16-element alignment of each layer's offset (vectorized loads)."""
+    base = torch.zeros(4 * 64 + 8)
+    a, b = base[:64].view(4, 16), base[72 : 72 + 64].view(4, 16)
+    with pytest.raises(ValueError, match="16 elements"):
+        sp.layer_offsets([a, b])
+    assert sp.layer_offsets([a, base[64:128].view(4, 16)]) == [0, 64]

@@ -267,7 +267,8 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
 def layer_offsets(tensors: list[torch.Tensor]) -> list[int]:
     """Each layer's element offset from the first layer's pointer, for kernels that read every layer in
     one launch through the first layer's tensor (the layers may be separate allocations, as vLLM makes
-    them, or views of one). The layers must share dtype, shape and strides."""
+    them, or views of one). The layers must share dtype, shape and strides, and lie a multiple of 16
+    elements apart (allocations are aligned far beyond that)."""
     t0 = tensors[0]
     es = t0.element_size()
     for t in tensors:
@@ -276,8 +277,8 @@ def layer_offsets(tensors: list[torch.Tensor]) -> list[int]:
     out = []
     for t in tensors:
         delta = t.data_ptr() - t0.data_ptr()
-        if delta % es:
-            raise ValueError("a layer's paged cache is not aligned to its element size")
+        if delta % (16 * es):  # the kernels tell the compiler so: their loads stay vectorized
+            raise ValueError("a layer's paged cache is not aligned to 16 elements of the first layer's")
         out.append(delta // es)
     return out
 
@@ -355,7 +356,8 @@ if HAVE_TRITON:
         offs_n = start + tl.arange(0, BLOCK_N)
         rmask = offs_r < R
         valid = offs_n < n
-        kc = KC + tl.load(KOFF + l0 + li)  # this layer's keys
+        # this layer's keys; its offset is a multiple of 16 elements (`layer_offsets`): loads stay vectorized
+        kc = KC + tl.multiple_of(tl.load(KOFF + l0 + li), 16)
         q = tl.load(Q + j * sq_j + li * sq_l + h * sq_h + offs_r[:, None] * sq_r + offs_d[None, :],
                     mask=rmask[:, None], other=0.0)
         blk = tl.load(BT + j * sbt_j + offs_n // BS, mask=valid, other=0).to(tl.int64)
@@ -440,8 +442,8 @@ if HAVE_TRITON:
         offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < m
         offs_d = tl.arange(0, D)
-        kc = KC + tl.load(KOFF + li)
-        vc = VC + tl.load(VOFF + li)
+        kc = KC + tl.multiple_of(tl.load(KOFF + li), 16)  # multiples of 16 elements (`layer_offsets`)
+        vc = VC + tl.multiple_of(tl.load(VOFF + li), 16)
         pos = tl.load(KEYS + j * sk_j + li * sk_l + h * sk_h + offs, mask=ok, other=0)
         blk = tl.load(BT + j * sbt_j + pos // BS, mask=ok, other=0).to(tl.int64)
         off = (pos % BS).to(tl.int64)

@@ -1,0 +1,63 @@
+"""The refresh kernels as the GPU gets them: compiled here ahead of time for an H100/H200 (sm_90,
+Triton's CUDA backend needs no GPU to compile) with the specializations a launch on vLLM's cache
+gives (pointers and strides divisible by 16), their key and value reads must stay 128-bit vector
+loads. Reading a layer at an offset from the first layer's pointer hides the alignment from the
+compiler unless the kernel states it: without that, the same kernels read the cache 2 bytes at a time."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+
+from cotserve.kernels import sfi_paged as sp
+
+pytestmark = pytest.mark.skipif(not sp.HAVE_TRITON, reason="triton not installed")
+
+
+def _jit(kernel):
+    """The compilable kernel, also where the tests run Triton's interpreter (TRITON_INTERPRET=1)."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return JITFunction(kernel.fn, do_not_specialize=kernel.kwargs.get("do_not_specialize"))
+
+
+def _loads(kernel, types: dict[str, str], constexprs: dict[str, int]) -> collections.Counter:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = _jit(kernel)
+    sig, attrs = {}, {}
+    skip = {kernel.arg_names[n] if isinstance(n, int) else n for n in kernel.do_not_specialize}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "i32")
+        if name not in skip:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32))
+    except FileNotFoundError as exc:  # a Triton install without its CUDA tools (ptxas)
+        pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
+    return collections.Counter(re.findall(r"ld\.global[\.\w]*", compiled.asm["ptx"]))
+
+
+def test_paged_logits_reads_keys_in_vector_loads():
+    loads = _loads(sp._paged_logits_kernel,
+                   {"Q": "*bf16", "KC": "*bf16", "KOFF": "*i64", "BT": "*i32", "OUT": "*fp32", "NORM": "*fp32"},
+                   {"R": 32, "RP": 32, "D": 128, "BS": 16, "BLOCK_N": 64})
+    assert loads["ld.global.v4.b32"] >= 8 and loads["ld.global.b16"] == 0, loads
+
+
+def test_paged_pack_reads_keys_and_values_in_vector_loads():
+    loads = _loads(sp._pack_kernel,
+                   {"KC": "*bf16", "VC": "*bf16", "CK": "*bf16", "CV": "*bf16", "KEYS": "*i64", "KOFF": "*i64",
+                    "VOFF": "*i64", "BT": "*i32", "SLOTS": "*i32"},
+                   {"D": 128, "BS": 16, "BLOCK": 64})
+    assert loads["ld.global.v4.b32"] >= 16 and loads["ld.global.b16"] == 0, loads
