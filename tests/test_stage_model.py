@@ -40,6 +40,8 @@ def test_parts_fit_a_transfer_and_unpack_to_the_same_model(tmp_path):
     assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
     assert (folder / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     assert '"bfloat16"' in (folder / "config.json").read_text()
+    with pytest.raises(SystemExit, match="sha256"):
+        tool.unpack([str(b)], str(tmp_path / "unchecked"))  # parts without their checksum
     (b / parts[0].name).unlink()
     with pytest.raises(SystemExit, match="do not add up"):
         tool.unpack([str(a), str(b)], str(tmp_path / "again"))

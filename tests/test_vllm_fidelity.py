@@ -60,3 +60,12 @@ def test_vllm_fidelity_forces_the_text_and_agrees_with_the_native_engine(monkeyp
              for a, b in zip(ref, res.greedy_ids, strict=True)]
     assert len(pairs) == batch * steps
     assert sum(a == b for a, b in pairs) >= 0.95 * len(pairs)
+
+
+def test_rows_the_plugin_refuses_fail_before_vllm_starts():
+    from cotserve.bench.vllm_fidelity import run_vllm_fidelity_bench
+    from cotserve.errors import CotserveError
+
+    for row, words in (("sfi[dense_heads=0.1]", "dense_heads"), ("quest", "not available on the vllm engine")):
+        with pytest.raises(CotserveError, match=words):
+            run_vllm_fidelity_bench([row], 64, 8, 1, None, None, "smollm2-135m-instruct", None)

@@ -3,7 +3,7 @@ transfer each (a lent GPU machine takes at most 64 MiB per call).
 
     python tools/stage_model.py pack [MODEL] [OUT]     here: MODEL's folder (default: the bundled model,
                                                        converted from its GGUF) as bf16 safetensors,
-                                                       tarred and cut into OUT/part.NN (default
+                                                       tarred and cut into OUT/part.NNN (default
                                                        .vllm-dev/model, 56 MiB each)
     python tools/stage_model.py unpack DIR... TARGET   there: join the parts found in the DIRs (in name
                                                        order) and unpack the folder into TARGET
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import sys
 import tarfile
 from pathlib import Path
@@ -41,7 +42,11 @@ def pack(model: str = "smollm2-135m-instruct", out: str = ".vllm-dev/model") -> 
                 state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(f).items()}
                 data = _safetensors_bytes(state, save_file)
             elif f.name == "config.json":
-                data = f.read_text().replace('"float32"', '"bfloat16"').encode()
+                cfg = json.loads(f.read_text())
+                for key in ("dtype", "torch_dtype"):
+                    if key in cfg:
+                        cfg[key] = "bfloat16"
+                data = (json.dumps(cfg, indent=2) + "\n").encode()
             else:
                 data = f.read_bytes()
             info = tarfile.TarInfo(f"model/{f.name}")
@@ -50,7 +55,7 @@ def pack(model: str = "smollm2-135m-instruct", out: str = ".vllm-dev/model") -> 
     blob = buf.getvalue()
     parts = []
     for i in range(0, len(blob), PART):
-        p = dest / f"part.{i // PART:02d}"
+        p = dest / f"part.{i // PART:03d}"
         p.write_bytes(blob[i : i + PART])
         parts.append(p)
     (dest / "sha256.txt").write_text(hashlib.sha256(blob).hexdigest() + "\n")
@@ -69,10 +74,12 @@ def _safetensors_bytes(state: dict, save_file) -> bytes:
 def unpack(dirs: list[str], target: str) -> Path:
     parts = sorted((p for d in dirs for p in Path(d).glob("part.*")), key=lambda p: p.name)
     if not parts:
-        raise SystemExit(f"no part.NN files in {dirs}")
+        raise SystemExit(f"no part.NNN files in {dirs}")
     blob = b"".join(p.read_bytes() for p in parts)
     sums = [Path(d) / "sha256.txt" for d in dirs if (Path(d) / "sha256.txt").is_file()]
-    if sums and hashlib.sha256(blob).hexdigest() != sums[0].read_text().strip():
+    if not sums:
+        raise SystemExit(f"no sha256.txt in {dirs}: carry it with the parts")
+    if hashlib.sha256(blob).hexdigest() != sums[0].read_text().strip():
         raise SystemExit(f"the parts do not add up ({len(parts)} found): a part is missing or damaged")
     dest = Path(target)
     dest.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,9 @@ def teacher_forced(llm, prompts: list[list[int]], forced: list[list[int]], polic
         got = out.outputs[0]
         if list(got.token_ids) != list(ids):
             raise CotserveError(f"request {out.request_id}: the forced tokens were not followed (replay off?)")
-        rows.append([{t: lp.logprob for t, lp in step.items()} for step in got.logprobs])
+        # vLLM adds the sampled (here: forced) token to the top K when it is not among them: keep the top K
+        rows.append([{t: lp.logprob for t, lp in step.items() if lp.rank is not None and lp.rank <= top}
+                     for step in got.logprobs])
     return rows
 
 
@@ -92,8 +94,10 @@ def run_vllm_fidelity_bench(policies: list[str], context: int, steps: int, batch
     options = parse_options(policy_opt, policy_file)
     specs = parse_rows(policies)
     runs = [(s.label, s.policy, {**_options_for(s.policy, options), **s.options}) for s in specs]
-    for _, p, opts in runs:
-        build_policy(p, opts)  # bad options fail before vLLM starts
+    from cotserve.vllm.batch_rows import request_policy_of
+
+    for _, p, opts in runs:  # what the plugin refuses fails here, before vLLM starts
+        request_policy_of({"cotserve": {"policy": p, "options": opts}})
     folder, dummy = model_folder(model, context + steps + 16)
     if dummy:
         raise CotserveError("fidelity needs real weights: random weights agree with nothing")

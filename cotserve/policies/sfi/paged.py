@@ -22,9 +22,9 @@ being copies, stay readable after their entries left the cache, until the next r
 A refresh (`refresh`) computes the evidence of a sequence's ring rows over its history, read in
 place from the paged cache (`kernels.sfi_paged.paged_logits_layers`), runs the selector's steps
 2-5 (the fused Triton selector, or `cotserve.policies`' own functions) on all layers at once, and
-re-packs the compact buffers (`paged_pack_layers`). Both kernels read every layer in one launch
+re-packs the compact buffers (`paged_pack_layers`). Both kernels read many layers in one launch
 through a table of the layers' offsets (`PagedLayers`, taken once and kept while the engine's
-cache tensors stay the same objects): a refresh's host time does not grow with the layer count.
+cache tensors stay the same objects): one launch per chunk of layers, not one per layer.
 The engine-specific part, how the cache is viewed as pages and how rows are planned each step,
 is the subclass's.
 """

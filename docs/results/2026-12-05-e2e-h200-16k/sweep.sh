@@ -36,7 +36,7 @@ stop() { # NAME: the server's whole process group (vLLM's engine and workers inc
   local p; p=$(cat $R/$1.pid 2>/dev/null) || return 0
   kill -- -"$p" 2>/dev/null; sleep 8; kill -9 -- -"$p" 2>/dev/null; rm -f $R/$1.pid
   cp $R/$1-server.log $D/ 2>/dev/null; }
-start() { # NAME PORT READY-PATH COMMAND...: in its own session, so it outlives this call
+start() { # NAME PORT READY-PATH COMMAND...: in its own process group (setsid), so it outlives this call
   local n=$1 port=$2 path=$3; shift 3
   setsid "$@" > $R/$n-server.log 2>&1 < /dev/null & echo $! > $R/$n.pid
   wait_up "$port" "$path" || { echo "$n did not start"; tail -40 $R/$n-server.log; cp $R/$n-server.log $D/; return 1; }
