@@ -11,13 +11,19 @@ from cotserve.bench.vllm_fidelity import compare_runs, step_compare
 
 
 def test_step_compare_top1_and_topk_kl():
-    d = {1: math.log(0.6), 2: math.log(0.3), 3: math.log(0.1)}
+    """KL over dense's top K renormalized there: the top K of a larger vocabulary (sums below 1)."""
+    d = {1: math.log(0.6), 2: math.log(0.3), 3: math.log(0.05)}
     assert step_compare(d, dict(d)) == (True, 0.0)
-    same, kl = step_compare(d, {2: math.log(0.6), 1: math.log(0.3), 3: math.log(0.1)})
-    assert not same and kl == pytest.approx(0.6 * math.log(2) + 0.3 * math.log(0.5))
+    scaled = {t: lp - 0.2 for t, lp in d.items()}  # the same shape on the set: no divergence
+    assert step_compare(d, scaled)[1] == pytest.approx(0.0, abs=1e-12)
+    same, kl = step_compare(d, {2: math.log(0.6), 1: math.log(0.3), 3: math.log(0.05)})
+    p = [0.6 / 0.95, 0.3 / 0.95, 0.05 / 0.95]
+    q = [0.3 / 0.95, 0.6 / 0.95, 0.05 / 0.95]
+    assert not same and kl == pytest.approx(sum(a * math.log(a / b) for a, b in zip(p, q, strict=True)))
     # a dense token outside the policy's top K takes the policy's lowest reported log-prob
-    _, kl_missing = step_compare(d, {1: math.log(0.6), 2: math.log(0.3), 4: math.log(0.05)})
-    assert kl_missing == pytest.approx(0.1 * (math.log(0.1) - math.log(0.05)))
+    _, kl_missing = step_compare(d, {1: math.log(0.6), 2: math.log(0.3), 4: math.log(0.01)})
+    q = [0.6 / 0.91, 0.3 / 0.91, 0.01 / 0.91]
+    assert kl_missing == pytest.approx(sum(a * math.log(a / b) for a, b in zip(p, q, strict=True)))
 
 
 def test_compare_runs_weighs_prompts_by_their_steps():

@@ -8,10 +8,10 @@ token is forced to the text's, while vLLM reports the model's own log-probabilit
 `top` (at most its `max_logprobs`, 20) log-probs per step, not the whole distribution, so:
 
 * top-1 agreement: fraction of steps where the policy's most likely token equals dense's (exact);
-* top-K KL: sum over dense's top K tokens of p_dense (log p_dense - log p_policy), a token missing
-  from the policy's top K taking the policy's K-th log-prob (an upper bound on its own): an
-  approximation of KL(dense || policy) from the head of the distribution, not the native bench's
-  full-vocabulary KL.
+* top-K KL: KL(dense || policy) between the two distributions restricted to dense's top K tokens
+  and renormalized there (so it is >= 0 and 0 only where they agree on that set), a token missing
+  from the policy's top K taking the policy's K-th log-prob: a measure from the head of the
+  distribution, not the native bench's full-vocabulary KL.
 """
 
 from __future__ import annotations
@@ -31,8 +31,17 @@ def step_compare(dense: dict[int, float], policy: dict[int, float]) -> tuple[boo
     """(same top-1, top-K KL term) of one step from the two top-K log-prob maps (token -> log-prob)."""
     same = max(dense, key=dense.__getitem__) == max(policy, key=policy.__getitem__)
     floor = min(policy.values())
-    kl = sum(math.exp(lp) * (lp - policy.get(t, floor)) for t, lp in dense.items())
-    return same, kl
+    tokens = list(dense)
+    p = _normalized([dense[t] for t in tokens])
+    q = _normalized([policy.get(t, floor) for t in tokens])
+    return same, max(0.0, sum(math.exp(a) * (a - b) for a, b in zip(p, q, strict=True)))
+
+
+def _normalized(logprobs: list[float]) -> list[float]:
+    """Log-probs renormalized over the given tokens."""
+    top = max(logprobs)
+    lse = top + math.log(sum(math.exp(x - top) for x in logprobs))
+    return [x - lse for x in logprobs]
 
 
 def compare_runs(reference: list[list[dict[int, float]]], results: list[list[dict[int, float]]]) -> dict[str, Any]:
