@@ -130,7 +130,7 @@ class PagedSFI:
         self.refreshes = 0
         self._warmed: set[tuple] = set()
         self._logits: torch.Tensor | None = None  # `logits_buffer`'s storage
-        self._layers: tuple[tuple, PagedLayers] | None = None  # `layers`' cache: (the engine's cache objects, views)
+        self._layers: tuple[tuple, PagedLayers] | None = None  # `paged_layers`' cache: (the engine's cache objects, views)
 
     def logits_buffer(self, *shape: int) -> torch.Tensor:
         """float32 `shape` laid out as `padded` lays it out, a view of one buffer that every chunk of
