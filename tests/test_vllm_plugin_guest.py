@@ -102,4 +102,7 @@ def test_a_plain_vllm_engine_keeps_vllms_classes_and_attention(tmp_path):
     assert "cotserve model class cotserve.vllm.models.CotserveLlamaForCausalLM" in out
     assert "cotserve generated 24" in out
     lines = [json.loads(x) for x in tele.read_text().splitlines()] if tele.exists() else []
-    assert len([t for t in lines if "sfi_steps" in t]) == 1, lines
+    (sfi_line,) = [t for t in lines if "sfi_steps" in t]
+    # the step clock (telemetry on): the prompt's step and the decode steps before the line was written
+    steps = sfi_line["step_clock"]
+    assert steps["prompt_steps"] >= 1 and steps["decode_steps"] >= 20 and steps["decode_steps_s"] > 0, steps

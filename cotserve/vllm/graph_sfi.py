@@ -31,6 +31,8 @@ from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, padded, to_device
 from cotserve.policies.sfi.state import ring_size, sfi_telemetry
 from cotserve.vllm.batch_rows import BatchRows, RowRequest
+from cotserve.vllm.process import runtimes
+from cotserve.vllm.step_clock import step_counters
 from cotserve.vllm.telemetry import allocator_counters, telemetry_on, write_telemetry
 
 __all__ = ["GraphSFI", "SlotState", "W_MAX", "padded", "ring_size", "sfi_telemetry", "write_telemetry"]
@@ -281,7 +283,8 @@ class GraphSFI(PagedSFI):
             if telemetry_on():  # released inside the step's plan: nothing built when it goes nowhere
                 write_telemetry({**self.telemetry(st), "runtime_host_s": round(self.host_s, 4),
                                  "runtime_refresh_host_s": round(self.refresh_host_s, 4),
-                                 "runtime_refreshes": self.refreshes, **allocator_counters(self.device)})
+                                 "runtime_refreshes": self.refreshes, **allocator_counters(self.device),
+                                 **step_counters(runtimes().step_clock)})
             self.free.append(st.slot)
             req.state = None
 

@@ -14,7 +14,9 @@ process holds:
 * `steer` and `steer_buffers`: the steering runtime (`steer_runtime.SteerRuntime`) and the
   steering hook's persistent inputs (`steer_runtime.SteerBuffers`, made with the hook);
 * `scratch` and `reserved`: the working tensors' GPU reservation made at model load and what was
-  reserved there, by purpose (`gpu_memory`).
+  reserved there, by purpose (`gpu_memory`);
+* `step_clock`: the engine steps' time by kind (`step_clock.StepClock`), kept only while the
+  telemetry is on.
 
 Builders fill the runtime fields on first need (`runtime_builders`, `cuda_backend`); until then they
 are None. `reset()` empties the object in place (the same instance), for tests.
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from cotserve.vllm.graph_sfi import GraphSFI
     from cotserve.vllm.sfi_access import SFIAccess
     from cotserve.vllm.steer_runtime import SteerBuffers, SteerRuntime
+    from cotserve.vllm.step_clock import StepClock
 
 
 @dataclass
@@ -50,6 +53,7 @@ class ProcessRuntimes:
     steer_buffers: SteerBuffers | None = None
     scratch: torch.Tensor | None = None
     reserved: dict[str, int] = field(default_factory=dict)  # bytes reserved at model load, by purpose
+    step_clock: StepClock | None = None
 
 
 _RUNTIMES = ProcessRuntimes()

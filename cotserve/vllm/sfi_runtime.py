@@ -50,6 +50,8 @@ from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_from_evidence
 from cotserve.policies.sfi.state import SFIRequestState, ring_size, sfi_telemetry
 from cotserve.vllm.batch_rows import BatchRows, RowRequest
+from cotserve.vllm.process import runtimes
+from cotserve.vllm.step_clock import step_counters
 from cotserve.vllm.telemetry import write_telemetry
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,7 @@ class SFIRuntime:
         for gone in rows.take_released():
             if gone.state is not None:
                 self.finished.append(gone.state)
-                write_telemetry(self.telemetry(gone.state))
+                write_telemetry({**self.telemetry(gone.state), **step_counters(runtimes().step_clock)})
                 gone.state = None
         out = []
         for i in range(num_reqs):

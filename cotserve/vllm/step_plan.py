@@ -1,7 +1,7 @@
 """The per-step pipeline both attention backends run in their metadata builder, in one order.
 
 Before vLLM builds a step's attention metadata, the plugin plans the step for the requests that
-run a cotserve policy:
+run a cotserve policy (and, while the telemetry is on, marks the step's start for `step_clock`):
 
 1. steering: which of the step's rows get the steering vector (`steer_runtime`);
 2. SFI's work that must see the cache as the last step left it: the refreshes (selections) due
@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 from cotserve.vllm import compat, runtime_builders
 from cotserve.vllm.process import runtimes
+from cotserve.vllm.step_clock import StepClock
+from cotserve.vllm.telemetry import telemetry_on, write_telemetry
 
 
 class SFIStage(Protocol):
@@ -35,6 +37,11 @@ class SFIStage(Protocol):
 def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: Any, evict_paged: Any) -> Any:
     """Steps 1-4 for one step's common attention metadata `cm`; returns the metadata to build."""
     proc = runtimes()
+    if telemetry_on():
+        if proc.step_clock is None:
+            proc.step_clock = StepClock(device=cm.seq_lens.device,
+                                        on_idle=lambda counters: write_telemetry({"step_clock": counters}))
+        proc.step_clock.mark(cm)
     steer = runtime_builders.steer_for(vllm_config)
     if steer is not None:
         steer.plan(proc.rows, cm, proc.steer_buffers)
