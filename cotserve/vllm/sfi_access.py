@@ -65,4 +65,4 @@ def make_paged(layer, block_size: int, dtype: torch.dtype):
     """The CPU cache reader (this runtime serves the CPU backend; CUDA has `graph_sfi`)."""
     from cotserve.vllm.cpu_paged import CPUPagedKV, key_layout
 
-    return CPUPagedKV(block_size, key_layout(compat.cpu_isa(layer), dtype, layer.impl.head_size))
+    return CPUPagedKV(block_size, key_layout(compat.cpu_isa(layer), dtype, layer.impl.head_size, block_size))
