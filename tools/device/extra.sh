@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# extra.sh PHASE [FILES...]: GPU runs in the project root after staging vLLM (../shared/tools/device-vllm)
+# and its e2e folder (to /root/stage/e2e; see README.md here).
+#   setup           cotserve and its wheels installed, /root/m4b (random-weight Qwen3-4B-shaped folder with the
+#                   bundled model's tokenizer, e2e's mkmodel.py), then the CUDA-only tests
+#   part FILES...   keep the carried parts of the bundled model (tools/stage_model.py pack) in /root/mparts
+#   replay-stock    stock vLLM (no plugin), dense, 32,768 x 16 and 131,072 x 4, 512 new tokens
+#   replay-sfi      the plugin's SFI rows, same shapes, tokens replayed from MATH solutions
+#   fidelity        the bundled model's real weights, unpacked: CUDA fidelity of five policies against dense
+# Outputs go to $OUT.
+set -u
+export PYTHONPATH=/root/vsite:/root/xsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+DATA=/root/stage/data; E=/root/stage/e2e
+long_model() { # /root/m4l: /root/m4b's weights, positions up to 140,000 (random weights: no trained limit)
+  [ -d /root/m4l ] && return 0; mkdir -p /root/m4l; ln -s /root/m4b/* /root/m4l/; rm /root/m4l/config.json
+  python3 -c "import json; c=json.load(open('/root/m4b/config.json')); c['max_position_embeddings']=140000; json.dump(c, open('/root/m4l/config.json','w'))"; }
+SHAPES="--context 32768,131072 --batch 16,4 --new-tokens 512 --gpu-memory-utilization 0.8"
+case ${1:?phase} in
+  setup) [ -f /root/xsite/.done ] || { python3 -m pip install -q --no-index --no-deps --target /root/xsite $E/whl/*.whl \
+      && touch /root/xsite/.done; }
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+    python3 $E/mkmodel.py /root/m4b $E/tok || exit 1
+    timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_vllm_graph_sfi.py tests/test_sfi_paged_kernel.py \
+      tests/test_sfi_select_kernel.py tests/test_h2o_paged_kernel.py tests/test_step_clock.py 2>&1 | tail -15 | tee $OUT/cuda-tests.txt ;;
+  part) shift; mkdir -p /root/mparts; cp "$@" /root/mparts/; ls /root/mparts ;;
+  replay-stock) long_model; python3 -m cotserve.bench.vllm_decode --no-plugin --policy dense $SHAPES --model /root/m4l \
+      --json $OUT/replay-stock.json 2>&1 | grep -vE "it/s|Loading" | tail -25 ;;
+  replay-sfi) long_model; COTSERVE_VLLM_TELEMETRY=$OUT/replay-sfi-telemetry.jsonl python3 -m cotserve.bench.vllm_decode \
+      --policy sfi $SHAPES --model /root/m4l --replay $DATA/math_train.jsonl --json $OUT/replay-sfi.json 2>&1 \
+      | grep -vE "it/s|Loading" | tail -25 ;;
+  fidelity) python3 tools/stage_model.py unpack /root/mparts /root/model || exit 1
+    python3 -m cotserve.cli bench fidelity --engine vllm --model /root/model/model --policy sfi,skipkv,rkv,h2o,skipkv+sfi \
+      --context 4096 --steps 128 --batch 2 --data-dir $DATA --gpu-memory-utilization 0.5 --json $OUT/fidelity-cuda.json 2>&1 \
+      | grep -vE "it/s|Loading" | tail -25 ;;
+  *) echo "usage: extra.sh setup|part|replay-stock|replay-sfi|fidelity"; exit 2 ;;
+esac

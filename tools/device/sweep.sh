@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# sweep.sh PHASE: e2e.sh's comparison on its four workloads split into phases that fit one 10-minute device
+# call each, with the servers left running between calls (setsid; pid files under /root/run), so both servers
+# run all four workloads in one lease with two server starts. Same load generator, model, prompts and flags
+# as e2e.sh, but for the warm-ups (below).
+#   stock1  the CUDA tests ($CUDA_TESTS=1), then start `vllm serve` (plugins off), dense on $W1
+#   stock2  dense on $W2 on the same server, stop it, start `cotserve serve --engine vllm`
+#   cot1    dense and sfi on $C1 on that server
+#   cot2    dense and sfi on $C2, then stop it
+# Warm-ups: $WARM (1) warm-up requests before each server's and each policy's first run, none before its
+# later runs on the same server (e2e.sh sends 2 before every run; a warm-up is a single request of up to
+# 1,536 or 12,288 output tokens, tens of seconds each, and the servers are already warm then).
+# After each phase on cotserve, one short request after a 3-s pause lets the runtime write the last
+# request's telemetry line and the step clock's idle-gap line (cotserve/vllm/step_clock.py).
+# Everything a phase writes goes into $OUT/PHASE.tgz (one file: a call returns at most 8).
+set -u
+E=$(cd "$(dirname "$0")" && pwd)
+export PYTHONPATH=/root/vsite:/root/xsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+M=/root/m4b; R=/root/run; mkdir -p $R
+W1=${W1:-"16000:1024:0.5:32:16 32000:1024:0.5:32:16:1"}
+W2=${W2:-"256:6144:0.75:48:32 512:8192:0.5:48:32"}
+C1=${C1:-"$W1 256:6144:0.75:48:32"}; C2=${C2:-"512:8192:0.5:48:32"}
+GPU=${GPU:-0.9}; SEQS=${SEQS:-64}; MAXLEN=${MAXLEN:-36000}
+WARM=${WARM:-1}
+PHASE=${1:?phase}; T0=$(date +%s); LIMIT=${LIMIT:-560}
+D=$R/$PHASE; mkdir -p $D
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+setup() {
+  [ -f /root/xsite/.done ] || { python3 -m pip install -q --no-index --no-deps --target /root/xsite "$E"/whl/*.whl && touch /root/xsite/.done; }
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
+  python3 "$E/mkmodel.py" $M "$E/tok" || exit 1
+}
+poll() { # port: vLLM's metrics every 2 s into $D/metrics-poll.txt
+  ( while true; do curl -s "localhost:$1/metrics" 2>/dev/null | grep -E '^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|prompt_tokens_total|generation_tokens_total|request_(prefill|decode|queue)_time_seconds_(sum|count)|num_preemptions_total)' | sed "s/^/$(date +%s) /"; sleep 2; done ) >> "$D/metrics-poll.txt" 2>/dev/null &
+  echo $! > $R/poll.pid; }
+unpoll() { [ -f $R/poll.pid ] && kill "$(cat $R/poll.pid)" 2>/dev/null; rm -f $R/poll.pid; }
+wait_up() { for i in $(seq 1 300); do curl -sf "localhost:$1$2" >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
+stop() { # NAME: the server's whole process group (vLLM's engine and workers included)
+  local p; p=$(cat $R/$1.pid 2>/dev/null) || return 0
+  kill -- -"$p" 2>/dev/null; sleep 8; kill -9 -- -"$p" 2>/dev/null; rm -f $R/$1.pid
+  cp $R/$1-server.log $D/ 2>/dev/null; }
+start() { # NAME PORT READY-PATH COMMAND...: in its own process group (setsid), so it outlives this call
+  local n=$1 port=$2 path=$3; shift 3
+  setsid "$@" > $R/$n-server.log 2>&1 < /dev/null & echo $! > $R/$n.pid
+  wait_up "$port" "$path" || { echo "$n did not start"; tail -40 $R/$n-server.log; cp $R/$n-server.log $D/; return 1; }
+  echo "== $n up after $(( $(date +%s) - T0 )) s"; }
+warmups() { # KEY: $WARM the first time a server or policy runs, 0 after
+  if [ -f "$R/warmed-$1" ]; then echo 0; else touch "$R/warmed-$1"; echo "$WARM"; fi; }
+bench() { # name port in out range prompts conc seed server_args [extra-body]  ($NW: warm-ups)
+  local t0 lim; t0=$(date +%s); lim=$(( $(left) - 5 ))
+  [ "$lim" -lt 30 ] && { echo "== $1 skipped: $lim s left"; return 1; }
+  timeout "$lim" python3 -m vllm.entrypoints.cli.main bench serve --backend openai-chat --base-url "http://127.0.0.1:$2" \
+    --endpoint /v1/chat/completions --model m --tokenizer $M --dataset-name random --random-input-len "$3" \
+    --random-output-len "$4" --random-range-ratio "{\"input\": 0.0, \"output\": $5}" --num-prompts "$6" \
+    --max-concurrency "$7" --ignore-eos --temperature 1.0 --seed "$8" --num-warmups "${NW:-$WARM}" \
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$D" \
+    --result-filename "$1.json" --metadata "gpu_memory_utilization=$GPU" "max_num_seqs=$SEQS" "max_model_len=$MAXLEN" \
+    "server=${1%%-*}" "server_args=$9" ${10:+--extra-body "${10}"} > "$D/$1.bench.txt" 2>&1
+  echo "== $1 rc=$? $(( $(date +%s) - t0 )) s"
+  grep -E "Successful|Failed|Benchmark duration|Output token throughput|Median TTFT|Median TPOT|Median ITL" "$D/$1.bench.txt"
+}
+cot() { # WORKLOADS POLICIES
+  local p w i o r n c s
+  for w in $1; do IFS=: read -r i o r n c s <<< "$w"
+    for p in $2; do NW=$(warmups "cotserve-$p"); bench "cotserve-$p-$i-$o${s:+-s$s}" 8200 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "${COT_ARGS:-}" \
+      "{\"cotserve\": {\"policy\": \"$p\"}}"; done
+  done; }
+flush() { # one short request after a pause: the runtime writes what waits for a next step
+  sleep 3; curl -s -m 60 localhost:8200/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}' > /dev/null 2>&1; sleep 1; }
+pack() { unpoll; curl -s localhost:8200/metrics 2>/dev/null | grep -E '^cotserve_' | grep -vE '_created|_bucket' > $D/cotserve-metrics.txt
+  cp $R/*-server.log $D/ 2>/dev/null; for f in $D/*-server.log; do [ -f "$f" ] && grep -E "Model loading took|KV cache|Maximum concurrency|reserv|async|max_num_batched|prefix|ERROR|Error|Traceback" "$f" | head -60 > "${f%.log}-startup.txt"; done
+  cp /root/run/*.jsonl $D/ 2>/dev/null; tar -C $R -czf "$OUT/$PHASE.tgz" "$PHASE"; echo "== $PHASE done after $(( $(date +%s) - T0 )) s"; }
+COT="python3 -m cotserve.cli serve --engine vllm --model $M --served-model-name m --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8200"
+stock() { # WORKLOADS
+  local w i o r n c s
+  for w in $1; do IFS=: read -r i o r n c s <<< "$w"; NW=$(warmups stock); bench "stock-dense-$i-$o${s:+-s$s}" 8100 "$i" "$o" "$r" "$n" "$c" "${s:-0}" ""; done; }
+case $PHASE in
+  stock1) setup
+    [ "${CUDA_TESTS:-1}" = 1 ] && PYTHONPATH=/root/vsite:/root/xsite:$PWD timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider \
+      tests/test_vllm_graph_sfi.py tests/test_sfi_paged_kernel.py tests/test_sfi_select_kernel.py tests/test_h2o_paged_kernel.py \
+      tests/test_step_clock.py \
+      2>&1 | tail -30 | tee "$D/cuda-tests.txt"
+    start stock 8100 /v1/models env VLLM_PLUGINS=none python3 -m vllm.entrypoints.cli.main serve $M --served-model-name m \
+      --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8100 || { pack; exit 1; }
+    poll 8100; stock "$W1"; pack ;;
+  stock2) poll 8100; stock "$W2"; stop stock
+    start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl $COT || { pack; exit 1; }
+    pack ;;
+  cot1) poll 8200; cot "$C1" "dense sfi"; flush; pack ;;
+  cot2) poll 8200; cot "$C2" "dense sfi"; flush; stop cotserve; pack ;;
+  *) echo "usage: sweep.sh stock1|stock2|cot1|cot2"; exit 2 ;;
+esac
