@@ -31,8 +31,7 @@ from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, padded, to_device
 from cotserve.policies.sfi.state import ring_size, sfi_telemetry
 from cotserve.vllm.batch_rows import BatchRows, RowRequest
-from cotserve.vllm.process import runtimes
-from cotserve.vllm.step_clock import step_counters
+from cotserve.vllm.step_clock import StepClock, step_counters
 from cotserve.vllm.telemetry import allocator_counters, telemetry_on, write_telemetry
 
 __all__ = ["GraphSFI", "SlotState", "W_MAX", "padded", "ring_size", "sfi_telemetry", "write_telemetry"]
@@ -57,6 +56,7 @@ class GraphSFI(PagedSFI):
         self.warmed_up = False
         self._no_slots_warned = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
+        self.step_clock: StepClock | None = None  # set by the step's plan while the telemetry is on
         if slots and self.device.type == "cuda":
             self.reserve_logits()  # made at model load: counted in vLLM's budget, never allocated in a step
         log.info("sfi: %d slots, C=%d, %.2f GiB of compact buffers", slots, self.C,
@@ -284,7 +284,7 @@ class GraphSFI(PagedSFI):
                 write_telemetry({**self.telemetry(st), "runtime_host_s": round(self.host_s, 4),
                                  "runtime_refresh_host_s": round(self.refresh_host_s, 4),
                                  "runtime_refreshes": self.refreshes, **allocator_counters(self.device),
-                                 **step_counters(runtimes().step_clock)})
+                                 **step_counters(self.step_clock)})
             self.free.append(st.slot)
             req.state = None
 

@@ -50,8 +50,7 @@ from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.policy import mask_rows_inplace, select_from_evidence
 from cotserve.policies.sfi.state import SFIRequestState, ring_size, sfi_telemetry
 from cotserve.vllm.batch_rows import BatchRows, RowRequest
-from cotserve.vllm.process import runtimes
-from cotserve.vllm.step_clock import step_counters
+from cotserve.vllm.step_clock import StepClock, step_counters
 from cotserve.vllm.telemetry import write_telemetry
 
 log = logging.getLogger(__name__)
@@ -120,6 +119,7 @@ class SFIRuntime:
         self.g = num_heads // num_kv_heads
         self.scaling = scaling
         self.dtype, self.device = dtype, device
+        self.step_clock: StepClock | None = None  # set by the step's plan while the telemetry is on
         self.boundaries = sentence_end_ids(tokenizer) if tokenizer is not None else frozenset()
         self.plan_now: StepPlan | None = None
         self.finished: list[SeqState] = []  # states of requests that left (telemetry readers)
@@ -144,7 +144,7 @@ class SFIRuntime:
         for gone in rows.take_released():
             if gone.state is not None:
                 self.finished.append(gone.state)
-                write_telemetry({**self.telemetry(gone.state), **step_counters(runtimes().step_clock)})
+                write_telemetry({**self.telemetry(gone.state), **step_counters(self.step_clock)})
                 gone.state = None
         out = []
         for i in range(num_reqs):

@@ -42,6 +42,9 @@ def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: 
             proc.step_clock = StepClock(device=cm.seq_lens.device,
                                         on_idle=lambda counters: write_telemetry({"step_clock": counters}))
         proc.step_clock.mark(cm)
+        for runtime in (proc.graph_sfi, proc.sfi_access.runtime if proc.sfi_access is not None else None):
+            if runtime is not None:  # its telemetry lines carry the clock's counters
+                runtime.step_clock = proc.step_clock
     steer = runtime_builders.steer_for(vllm_config)
     if steer is not None:
         steer.plan(proc.rows, cm, proc.steer_buffers)
