@@ -6,8 +6,8 @@ step's stream, so the time between two consecutive events is the GPU time of the
 (waits for the host included); completed events are read without waiting (`Event.query`). On a CPU,
 where vLLM schedules synchronously, a step's time is the host time from its plan to the next
 step's. A gap longer than `idle_s` is the engine waiting for requests: it counts as idle, not as a
-step's time, and a telemetry line with the counters so far is written then (a load generator's runs
-are separated by such gaps, so consecutive lines bracket a run).
+step's time (the step just before it goes with it), and a telemetry line with the counters so far is
+written then (a load generator's runs are separated by such gaps, so consecutive lines bracket a run).
 """
 
 from __future__ import annotations
