@@ -7,7 +7,12 @@ compiler unless the kernel states it: without that, the same kernels read the ca
 from __future__ import annotations
 
 import collections
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,12 +30,13 @@ def _jit(kernel):
     return JITFunction(kernel.fn, do_not_specialize=kernel.kwargs.get("do_not_specialize"))
 
 
-def _loads(kernel, types: dict[str, str], constexprs: dict[str, int]) -> collections.Counter:
+def _ptx_loads(kernel_name: str, types: dict[str, str], constexprs: dict[str, int]) -> dict[str, int]:
+    """Compile in this process (run where Triton's interpreter is off: it is chosen when Triton is imported)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = _jit(kernel)
+    kernel = _jit(getattr(sp, kernel_name))
     sig, attrs = {}, {}
     skip = {kernel.arg_names[n] if isinstance(n, int) else n for n in kernel.do_not_specialize}
     for i, name in enumerate(kernel.arg_names):
@@ -40,23 +46,35 @@ def _loads(kernel, types: dict[str, str], constexprs: dict[str, int]) -> collect
         sig[name] = types.get(name, "i32")
         if name not in skip:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32))
-    except FileNotFoundError as exc:  # a Triton install without its CUDA tools (ptxas)
-        pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
-    return collections.Counter(re.findall(r"ld\.global[\.\w]*", compiled.asm["ptx"]))
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32))
+    return dict(collections.Counter(re.findall(r"ld\.global[\.\w]*", compiled.asm["ptx"])))
+
+
+def _loads(kernel_name: str, types: dict[str, str], constexprs: dict[str, int]) -> collections.Counter:
+    """The kernel's global loads in its sm_90 PTX, compiled in a fresh process where Triton's
+    interpreter is off (the tests' conftest turns it on for this one)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    code = ("import json, sys; from tests.test_sfi_kernel_codegen import _ptx_loads; "
+            "print(json.dumps(_ptx_loads(*json.loads(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps([kernel_name, types, constexprs])], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    if out.returncode != 0:
+        if "FileNotFoundError" in out.stderr:  # a Triton install without its CUDA tools (ptxas)
+            pytest.skip(f"Triton cannot compile for CUDA here: {out.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(out.stderr[-3000:])
+    return collections.Counter(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def test_paged_logits_reads_keys_in_vector_loads():
-    loads = _loads(sp._paged_logits_kernel,
+    loads = _loads("_paged_logits_kernel",
                    {"Q": "*bf16", "KC": "*bf16", "KOFF": "*i64", "BT": "*i32", "OUT": "*fp32", "NORM": "*fp32"},
                    {"R": 32, "RP": 32, "D": 128, "BS": 16, "BLOCK_N": 64})
     assert loads["ld.global.v4.b32"] >= 8 and loads["ld.global.b16"] == 0, loads
 
 
 def test_paged_pack_reads_keys_and_values_in_vector_loads():
-    loads = _loads(sp._pack_kernel,
+    loads = _loads("_pack_kernel",
                    {"KC": "*bf16", "VC": "*bf16", "CK": "*bf16", "CV": "*bf16", "KEYS": "*i64", "KOFF": "*i64",
                     "VOFF": "*i64", "BT": "*i32", "SLOTS": "*i32"},
                    {"D": 128, "BS": 16, "BLOCK": 64})
