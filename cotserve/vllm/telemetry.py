@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
-from cotserve.vllm.settings import settings
+from cotserve.vllm.settings import settings, variable
+
+_TELEMETRY = variable("telemetry")  # read at every step's plan: one lookup, not all the settings
 
 # the CUDA caching allocator's counters the runtimes report: a retry frees cached blocks (which
 # synchronizes the device) to fit an allocation; device allocations and frees are cudaMalloc/cudaFree
@@ -16,7 +19,7 @@ ALLOCATOR_COUNTERS = {"cuda_alloc_retries": "num_alloc_retries", "cuda_device_al
 
 def telemetry_on() -> bool:
     """Whether finished requests' telemetry goes anywhere (what to compute only then)."""
-    return bool(settings().telemetry)
+    return bool(os.environ.get(_TELEMETRY))
 
 
 def write_telemetry(tele: dict) -> None:
