@@ -258,6 +258,20 @@ def test_bwrap_view_user_network_and_process_limit():
 
 
 @NEEDS_BWRAP
+def test_limit_label_survives_stderr_written_after_it():
+    """The limit's label does not depend on stderr's last lines: here a thread the program started
+    writes to stderr after the fork limit fired (as the shells that did start write "Cannot fork"),
+    and the run is still labelled by the limit, not as a runtime error."""
+    late = ("import sys, threading, time\n"
+            "def late():\n    time.sleep(0.5)\n    for _ in range(8):\n        print('late line', file=sys.stderr)\n"
+            "threading.Thread(target=late).start()\n")
+    bomb = FORK_EXEC + late + "for i in range(400):\n    spawn('sleep 5')\n"
+    r = run_program(bomb, limits=_limits("bwrap", False, max_processes=16))
+    assert r.stderr.rstrip().endswith("late line"), r.stderr[-300:]
+    assert r.status == "process_limit", (r.status, r.stderr[-300:])
+
+
+@NEEDS_BWRAP
 def test_bwrap_program_runs_on_the_evaluators_python():
     """The program runs on this interpreter and its own standard library, also where the Python
     installation sits below a folder `nobody` cannot enter on the host (root's 0700 home): not on

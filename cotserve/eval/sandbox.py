@@ -209,10 +209,11 @@ def limit_hit(e):
     elif isinstance(e, OSError) and e.errno == errno.EAGAIN:  # fork/clone beyond RLIMIT_NPROC
         tag = "process_limit"
     if tag:
-        try:
-            os.write(2, ("\nSANDBOX-LIMIT " + tag + "\n").encode())
-        except OSError:
-            pass
+        for fd in (2, result_fd):  # the result descriptor is the harness's alone: children's lines
+            try:                   # written to stderr after this one cannot hide it there
+                os.write(fd, ("\nSANDBOX-LIMIT " + tag + "\n").encode())
+            except OSError:
+                pass
 
 def finish():
     """What the interpreter's own exit does: wait for non-daemon threads, then atexit functions."""
@@ -553,7 +554,7 @@ def run_program(source: str, stdin: str = "", mode: str = "stdin", func_name: st
         stderr = _read_tail(paths["stderr"], 1 << 20)
         netns = mode_used == "bwrap" or any(f in ("-n", "--net") for f in prefix)
         res = RunResult("ok", stdout, stderr, rc, extra={"netns": netns, "isolation": mode_used})
-        tag = _limit_tag(stderr)
+        tag = _limit_tag(_read_tail(paths["result"], 4096)) or _limit_tag(stderr)
         if timed_out:
             res.status = "timeout"
         elif rc in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL):
@@ -619,7 +620,7 @@ def _read(path: str, limit: int) -> str:
 
 
 def _read_tail(path: str, limit: int) -> str:
-    """The last `limit` bytes of a file (stderr: its last lines name the limit that fired)."""
+    """The last `limit` bytes of a file (stderr, or the result file that names the limit that fired)."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, _size(path) - limit))
