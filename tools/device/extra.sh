@@ -3,7 +3,10 @@
 # and its e2e folder (to /root/stage/e2e; see README.md here).
 #   setup           cotserve and its wheels installed, /root/m4b (random-weight Qwen3-4B-shaped folder with the
 #                   bundled model's tokenizer, e2e's mkmodel.py), then the CUDA-only tests
-#   part FILES...   keep the carried parts of the bundled model (tools/stage_model.py pack) in /root/mparts
+#   part FILES...   keep the carried parts of the bundled model (tools/stage_model.py pack or pack-gguf) in
+#                   /root/mparts
+#   fidelity-native the bundled model unpacked (a pack-gguf bundle is converted there), then the native engine's
+#                   CUDA fidelity of five policies against dense: needs no vLLM, only the model and the data folder
 #   replay-stock    stock vLLM (no plugin), dense, 32,768 x 16 and 131,072 x 4, 512 new tokens
 #   replay-sfi      the plugin's SFI rows, same shapes, tokens replayed from MATH solutions
 #   fidelity        the bundled model's real weights, unpacked: CUDA fidelity of five policies against dense
@@ -28,9 +31,13 @@ case ${1:?phase} in
   replay-sfi) long_model; COTSERVE_VLLM_TELEMETRY=$OUT/replay-sfi-telemetry.jsonl python3 -m cotserve.bench.vllm_decode \
       --policy sfi $SHAPES --model /root/m4l --replay $DATA/math_train.jsonl --json $OUT/replay-sfi.json 2>&1 \
       | grep -vE "it/s|Loading" | tail -25 ;;
-  fidelity) python3 tools/stage_model.py unpack /root/mparts /root/model || exit 1
+  fidelity-native) [ -d /root/model/model ] || python3 tools/stage_model.py unpack /root/mparts /root/model || exit 1
+    PYTHONPATH=$PWD:$(ls $DATA/redis-*.whl 2>/dev/null | head -1) python3 -m cotserve.cli bench fidelity \
+      --model /root/model/model --policy sfi,skipkv,rkv,h2o,skipkv+sfi --context 4096 --steps 128 --batch 2 \
+      --data-dir $DATA --json $OUT/fidelity-cuda-native.json 2>&1 | grep -vE "it/s|Loading" | tail -12 ;;
+  fidelity) [ -d /root/model/model ] || python3 tools/stage_model.py unpack /root/mparts /root/model || exit 1
     python3 -m cotserve.cli bench fidelity --engine vllm --model /root/model/model --policy sfi,skipkv,rkv,h2o,skipkv+sfi \
       --context 4096 --steps 128 --batch 2 --data-dir $DATA --gpu-memory-utilization 0.5 --json $OUT/fidelity-cuda.json 2>&1 \
       | grep -vE "it/s|Loading" | tail -25 ;;
-  *) echo "usage: extra.sh setup|part|replay-stock|replay-sfi|fidelity"; exit 2 ;;
+  *) echo "usage: extra.sh setup|part|replay-stock|replay-sfi|fidelity-native|fidelity"; exit 2 ;;
 esac
