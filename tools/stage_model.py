@@ -8,14 +8,14 @@ transfer each (a lent GPU machine takes at most 64 MiB per call).
     python tools/stage_model.py pack-gguf [OUT] [MiB,MiB,...]
                                                        here: the bundled model's GGUF itself (94 MiB
                                                        instead of 269), the wheels that read it
-                                                       and the digest of the bf16 weights it converts
+                                                       and the digests of the bf16 weights it converts
                                                        to, cut into parts of the given sizes (the last
                                                        size repeats; default 56)
     python tools/stage_model.py unpack DIR... TARGET   there: join the parts found in the DIRs (in name
                                                        order) and unpack the folder into TARGET; parts of
                                                        `pack-gguf` are converted there (transformers'
                                                        GGUF loader, as here), cast to bf16 and checked
-                                                       against the digest
+                                                       against the digests
 
 bf16 halves float32 weights (the bundled model: 538 MB -> 269 MB, five parts); vLLM serves it in
 bf16 on a GPU anyway. The parts carry a SHA-256 of the whole in `sha256.txt`, checked on unpack.
