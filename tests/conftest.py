@@ -22,6 +22,22 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def load_tool():
+    """A script under tools/ (not a package) loaded as a module: `load_tool("stage_model")`."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+@pytest.fixture(scope="session")
 def loaded():
     from cotserve.models import load_model
 

@@ -3,7 +3,6 @@ repository speaks of the product only."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -18,13 +17,6 @@ PENDING = {
     "docs/policies-paper-fidelity.md", "docs/vllm.md",
 }
 PENDING_PATTERNS = [re.compile(r"docs/results/2026-11-30-[^/]+\.md")]
-
-
-def _load_gen_docs():
-    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tracked(*patterns: str) -> list[Path]:
@@ -90,25 +82,25 @@ def test_readme_is_short_and_points_at_docs():
         assert page in text or page.removeprefix("docs/") in (ROOT / "docs/index.md").read_text(), page
 
 
-def test_every_policy_has_a_page_with_a_current_option_table():
-    gen = _load_gen_docs()
+def test_every_policy_has_a_page_with_a_current_option_table(load_tool):
+    gen = load_tool("gen_docs")
     stale = [str(p.relative_to(ROOT)) for p, text in gen.policy_pages().items() if p.read_text() != text]
     assert not stale, f"run python tools/gen_docs.py: {stale}"
     assert gen.undocumented_options() == [], "describe these options in their config class"
 
 
-def test_cli_reference_is_current():
-    gen = _load_gen_docs()
+def test_cli_reference_is_current(load_tool):
+    gen = load_tool("gen_docs")
     assert (ROOT / "docs/cli.md").read_text() == gen.cli_page(), "run python tools/gen_docs.py"
 
 
-def test_option_docs_come_from_the_config_class():
+def test_option_docs_come_from_the_config_class(load_tool):
     """A description is read from a field's comment or its class docstring, never invented."""
     from dataclasses import dataclass
 
     from cotserve.policies.base import PolicyConfig
 
-    gen = _load_gen_docs()
+    gen = load_tool("gen_docs")
 
     @dataclass
     class Demo(PolicyConfig):

@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("kept_overlap", ROOT / "tools" / "kept_overlap.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_overlap_is_the_mean_and_smallest_shared_share_over_heads():
-    overlap = _tool().overlap
+def test_overlap_is_the_mean_and_smallest_shared_share_over_heads(load_tool):
+    overlap = load_tool("kept_overlap").overlap
     same = [[[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]]
     assert overlap(same, same) == (1.0, 1.0)
     other = [[[0, 1, 2, 3], [4, 5, 8, 9]], [[6, 4, 2, 0], [1, 3, 5, 7]]]  # order does not matter

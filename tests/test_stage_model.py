@@ -3,29 +3,19 @@ elsewhere into the same weights (bf16) and files; a missing part is refused."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("stage_model", ROOT / "tools" / "stage_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_parts_fit_a_transfer_and_unpack_to_the_same_model(tmp_path):
+def test_parts_fit_a_transfer_and_unpack_to_the_same_model(tmp_path, load_tool):
     from safetensors.torch import load_file
 
     from cotserve.models import resolve_model
 
-    tool = _tool()
+    tool = load_tool("stage_model")
     parts = tool.pack("smollm2-135m-instruct", str(tmp_path / "parts"))
     assert len(parts) > 1 and all(p.stat().st_size <= tool.PART for p in parts)
     a, b = tmp_path / "a", tmp_path / "b"  # parts carried in different transfers
@@ -47,7 +37,7 @@ def test_parts_fit_a_transfer_and_unpack_to_the_same_model(tmp_path):
         tool.unpack([str(a), str(b)], str(tmp_path / "again"))
 
 
-def test_gguf_bundle_converts_there_to_the_packed_weights(tmp_path):
+def test_gguf_bundle_converts_there_to_the_packed_weights(tmp_path, load_tool):
     """`pack-gguf` carries the GGUF (a third of the bf16 folder's bytes) with the wheels that read it and
     per-tensor digests; unpacking converts it to the same bf16 weights, and refuses where a
     tensor differs from the digests taken here."""
@@ -58,7 +48,7 @@ def test_gguf_bundle_converts_there_to_the_packed_weights(tmp_path):
 
     from cotserve.models import resolve_model
 
-    tool = _tool()
+    tool = load_tool("stage_model")
     parts = tool.pack_gguf(str(tmp_path / "parts"), sizes=[3, 40])
     assert [p.stat().st_size for p in parts[:-1]] == [3 << 20] + [40 << 20] * (len(parts) - 2)
     assert 0 < parts[-1].stat().st_size <= 40 << 20
