@@ -34,7 +34,9 @@ poll() { # port: vLLM's metrics every 2 s into $D/metrics-poll.txt
   ( while true; do curl -s "localhost:$1/metrics" 2>/dev/null | grep -E '^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|prompt_tokens_total|generation_tokens_total|request_(prefill|decode|queue)_time_seconds_(sum|count)|num_preemptions_total)' | sed "s/^/$(date +%s) /"; sleep 2; done ) >> "$D/metrics-poll.txt" 2>/dev/null &
   echo $! > $R/poll.pid; }
 unpoll() { [ -f $R/poll.pid ] && kill "$(cat $R/poll.pid)" 2>/dev/null; rm -f $R/poll.pid; }
-wait_up() { for i in $(seq 1 300); do curl -sf "localhost:$1$2" >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
+wait_up() { # port path [pid]: up, or give up at once when the server's process has ended
+  for i in $(seq 1 300); do curl -sf "localhost:$1$2" >/dev/null 2>&1 && return 0
+    [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null && return 1; sleep 1; done; return 1; }
 stop() { # NAME: the server's whole process group (vLLM's engine and workers included)
   local p; p=$(cat $R/$1.pid 2>/dev/null) || return 0
   kill -- -"$p" 2>/dev/null; sleep 8; kill -9 -- -"$p" 2>/dev/null; rm -f $R/$1.pid
@@ -42,7 +44,7 @@ stop() { # NAME: the server's whole process group (vLLM's engine and workers inc
 start() { # NAME PORT READY-PATH COMMAND...: in its own process group (setsid), so it outlives this call
   local n=$1 port=$2 path=$3; shift 3
   setsid "$@" > $R/$n-server.log 2>&1 < /dev/null & echo $! > $R/$n.pid
-  wait_up "$port" "$path" || { echo "$n did not start"; tail -40 $R/$n-server.log; cp $R/$n-server.log $D/; return 1; }
+  wait_up "$port" "$path" "$(cat $R/$n.pid)" || { echo "$n did not start"; tail -40 $R/$n-server.log; cp $R/$n-server.log $D/; return 1; }
   echo "== $n up after $(( $(date +%s) - T0 )) s"; }
 warmups() { # KEY: $WARM the first time a server or policy runs, 0 after
   if [ -f "$R/warmed-$1" ]; then echo 0; else touch "$R/warmed-$1"; echo "$WARM"; fi; }
