@@ -7,6 +7,10 @@
 #   stock2  dense on $W2 on the same server, stop it, start `cotserve serve --engine vllm`
 #   cot1    dense and sfi on $C1 on that server
 #   cot2    dense and sfi on $C2, then stop it
+#   auto    all of it in order, as far as one call's time goes, and again in the next call until it prints
+#           "all measured": setup, start stock, $ALL on stock, stop it, start cotserve, $ALL with dense and
+#           sfi, stop it. A run whose JSON exists is not repeated; a run that needs more than the call has
+#           left (a workload's 7th field, seconds) or a server start ($START_NEED) waits for the next call.
 # Warm-ups: $WARM (1) warm-up requests before each server's and each policy's first run, none before its
 # later runs on the same server (e2e.sh sends 2 before every run; a warm-up is a single request of up to
 # 1,536 or 12,288 output tokens, tens of seconds each, and the servers are already warm then).
@@ -22,6 +26,12 @@ W2=${W2:-"256:6144:0.75:48:32 512:8192:0.5:48:32"}
 C1=${C1:-"$W1 256:6144:0.75:48:32"}; C2=${C2:-"512:8192:0.5:48:32"}
 GPU=${GPU:-0.9}; SEQS=${SEQS:-64}; MAXLEN=${MAXLEN:-36000}
 WARM=${WARM:-1}
+# auto: all four workloads, each with the seconds its run needs on an H200 at most (warm-up and load generator
+# start-up included); a run that would not end before the call's limit waits for the next call
+# (IN:OUT:RANGE:PROMPTS:CONCURRENCY:SEED:SECONDS; the 32,000-token prompts take seed 1, so that they do not begin
+# with the 16,000-token ones, which a prefix cache would serve)
+ALL=${ALL:-"32000:1024:0.5:32:16:1:115 512:8192:0.5:48:32::160 16000:1024:0.5:32:16::65 256:6144:0.75:48:32::110"}
+START_NEED=${START_NEED:-230}
 PHASE=${1:?phase}; T0=$(date +%s); LIMIT=${LIMIT:-560}
 D=$R/$PHASE; mkdir -p $D
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
@@ -46,15 +56,18 @@ start() { # NAME PORT READY-PATH COMMAND...: in its own process group (setsid), 
   setsid "$@" > $R/$n-server.log 2>&1 < /dev/null & echo $! > $R/$n.pid
   wait_up "$port" "$path" "$(cat $R/$n.pid)" || { echo "$n did not start"; tail -40 $R/$n-server.log; cp $R/$n-server.log $D/; return 1; }
   echo "== $n up after $(( $(date +%s) - T0 )) s"; }
+measured() { ls $R/*/"$1.json" >/dev/null 2>&1; }  # NAME: its JSON was written in this or an earlier phase
 warmups() { # KEY: $WARM the first time a server or policy runs, 0 after
   if [ -f "$R/warmed-$1" ]; then echo 0; else touch "$R/warmed-$1"; echo "$WARM"; fi; }
-bench() { # name port in out range prompts conc seed server_args [extra-body]  ($NW: warm-ups)
+bench() { # name port in out range prompts conc seed server_args [extra-body]  ($NW: warm-ups, $NEED: seconds it needs)
   local t0 lim; t0=$(date +%s); lim=$(( $(left) - 5 ))
-  [ "$lim" -lt 30 ] && { echo "== $1 skipped: $lim s left"; return 1; }
+  measured "$1" && { echo "== $1 already measured"; return 0; }
+  [ "$lim" -lt "${NEED:-30}" ] && { echo "== $1 skipped: $lim s left, it needs ${NEED:-30}"; return 1; }
+  local nw=${NW:-$WARM}; [ -n "${WKEY:-}" ] && nw=$(warmups "$WKEY")
   timeout "$lim" python3 -m vllm.entrypoints.cli.main bench serve --backend openai-chat --base-url "http://127.0.0.1:$2" \
     --endpoint /v1/chat/completions --model m --tokenizer $M --dataset-name random --random-input-len "$3" \
     --random-output-len "$4" --random-range-ratio "{\"input\": 0.0, \"output\": $5}" --num-prompts "$6" \
-    --max-concurrency "$7" --ignore-eos --temperature 1.0 --seed "$8" --num-warmups "${NW:-$WARM}" \
+    --max-concurrency "$7" --ignore-eos --temperature 1.0 --seed "$8" --num-warmups "$nw" \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$D" \
     --result-filename "$1.json" --metadata "gpu_memory_utilization=$GPU" "max_num_seqs=$SEQS" "max_model_len=$MAXLEN" \
     "server=${1%%-*}" "server_args=$9" ${10:+--extra-body "${10}"} > "$D/$1.bench.txt" 2>&1
@@ -62,11 +75,11 @@ bench() { # name port in out range prompts conc seed server_args [extra-body]  (
   grep -E "Successful|Failed|Benchmark duration|Output token throughput|Median TTFT|Median TPOT|Median ITL" "$D/$1.bench.txt"
 }
 cot() { # WORKLOADS POLICIES
-  local p w i o r n c s
-  for w in $1; do IFS=: read -r i o r n c s <<< "$w"
-    for p in $2; do NW=$(warmups "cotserve-$p"); bench "cotserve-$p-$i-$o${s:+-s$s}" 8200 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "${COT_ARGS:-}" \
-      "{\"cotserve\": {\"policy\": \"$p\"}}"; done
-  done; }
+  local p w i o r n c s need miss=0
+  for w in $1; do IFS=: read -r i o r n c s need <<< "$w"
+    for p in $2; do WKEY="cotserve-$p" NEED=${need:-30} bench "cotserve-$p-$i-$o${s:+-s$s}" 8200 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "${COT_ARGS:-}" \
+      "{\"cotserve\": {\"policy\": \"$p\"}}"; measured "cotserve-$p-$i-$o${s:+-s$s}" || miss=1; done
+  done; return $miss; }
 flush() { # one short request after a pause: the runtime writes what waits for a next step
   sleep 3; curl -s -m 60 localhost:8200/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}' > /dev/null 2>&1; sleep 1; }
@@ -75,8 +88,9 @@ pack() { unpoll; curl -s localhost:8200/metrics 2>/dev/null | grep -E '^cotserve
   cp /root/run/*.jsonl $D/ 2>/dev/null; tar -C $R -czf "$OUT/$PHASE.tgz" "$PHASE"; echo "== $PHASE done after $(( $(date +%s) - T0 )) s"; }
 COT="python3 -m cotserve.cli serve --engine vllm --model $M --served-model-name m --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8200"
 stock() { # WORKLOADS
-  local w i o r n c s
-  for w in $1; do IFS=: read -r i o r n c s <<< "$w"; NW=$(warmups stock); bench "stock-dense-$i-$o${s:+-s$s}" 8100 "$i" "$o" "$r" "$n" "$c" "${s:-0}" ""; done; }
+  local w i o r n c s need miss=0
+  for w in $1; do IFS=: read -r i o r n c s need <<< "$w"; WKEY=stock NEED=${need:-30} bench "stock-dense-$i-$o${s:+-s$s}" 8100 "$i" "$o" "$r" "$n" "$c" "${s:-0}" ""
+    measured "stock-dense-$i-$o${s:+-s$s}" || miss=1; done; return $miss; }
 case $PHASE in
   stock1) setup
     [ "${CUDA_TESTS:-1}" = 1 ] && PYTHONPATH=/root/vsite:/root/xsite:$PWD timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider \
@@ -91,5 +105,21 @@ case $PHASE in
     pack ;;
   cot1) poll 8200; cot "$C1" "dense sfi"; flush; pack ;;
   cot2) poll 8200; cot "$C2" "dense sfi"; flush; stop cotserve; pack ;;
-  *) echo "usage: sweep.sh stock1|stock2|cot1|cot2"; exit 2 ;;
+  auto) # everything in order, as far as this call's time goes; call it again until it prints "all measured"
+    [ -f $R/setup.done ] || { setup && touch $R/setup.done; } || exit 1
+    if [ ! -f $R/stock.finished ]; then
+      [ -f $R/stock.pid ] || { [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start stock"; pack; exit 0; }
+        start stock 8100 /v1/models env VLLM_PLUGINS=none python3 -m vllm.entrypoints.cli.main serve $M --served-model-name m \
+          --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8100 || { pack; exit 1; }; }
+      poll 8100; stock "$ALL" && touch $R/stock.finished; unpoll
+      [ -f $R/stock.finished ] && stop stock
+    fi
+    if [ -f $R/stock.finished ] && [ ! -f $R/cot.finished ]; then
+      [ -f $R/cotserve.pid ] || { [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start cotserve"; pack; exit 0; }
+        start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl $COT || { pack; exit 1; }; }
+      poll 8200; cot "$ALL" "dense sfi" && touch $R/cot.finished; flush
+      [ -f $R/cot.finished ] && stop cotserve
+    fi
+    [ -f $R/cot.finished ] && echo "== all measured"; pack ;;
+  *) echo "usage: sweep.sh stock1|stock2|cot1|cot2|auto"; exit 2 ;;
 esac
