@@ -10,7 +10,7 @@
 # seeds for both servers): with one seed for every run, stock's prefix cache (on by default) served each
 # measured run's prompts from the warm-up's blocks, while cotserve turns prefix caching off on a CPU
 # (eviction and steering need it off), so stock's 'warm' speed was its cache hits, not its decoding.
-#   bash tools/e2e_cpu.sh            (after `make install`; ~2 minutes a round on 2 cores)
+#   bash tools/e2e_cpu.sh            (after `make install`; 7-9 minutes a round on 2 cores)
 # Knobs (environment): ROUNDS (2), OUT, PROMPTS (32), CONC (16), IN (256), OUTLEN (128), RANGE (0.75), WARM (1).
 set -u
 cd "$(dirname "$0")/.."

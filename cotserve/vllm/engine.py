@@ -13,8 +13,8 @@ vLLM is configured as `vllm serve` configures it (`UsageContext.OPENAI_API_SERVE
 the device unless an option sets them. Eviction and steering need cotserve's `EvictingScheduler`,
 which runs with asynchronous scheduling and prefix caching off; when either is on, those requests
 are refused with a 400 that names the option, and dense and SFI requests run at vLLM's speed
-(SFI requests are refused too while prefix caching is on: a cache hit skips the prompt's queries
-SFI selects from).
+(while prefix caching is on, SFI requests compute their whole prompt: a cache hit would skip the
+prompt's queries SFI selects from).
 """
 
 from __future__ import annotations

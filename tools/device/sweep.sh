@@ -9,8 +9,9 @@
 #   cot2    dense and sfi on $C2, then stop it
 #   auto    all of it in order, as far as one call's time goes, and again in the next call until it prints
 #           "all measured": setup, start stock, $ALL on stock, stop it, start cotserve, $ALL with dense and
-#           sfi, stop it. A run whose JSON exists is not repeated; a run that needs more than the call has
-#           left (a workload's 7th field, seconds) or a server start ($START_NEED) waits for the next call.
+#           sfi, stop it. A run whose JSON shows every request completed is not repeated; a server that
+#           stopped answering is started again; a run that needs more than the call has left (a workload's
+#           7th field, seconds) or a server start ($START_NEED) waits for the next call.
 # Warm-ups: $WARM (1) warm-up requests before each server's and each policy's first run, none before its
 # later runs on the same server (e2e.sh sends 2 before every run; a warm-up is a single request of up to
 # 1,536 or 12,288 output tokens, tens of seconds each, and the servers are already warm then).
@@ -32,6 +33,7 @@ WARM=${WARM:-1}
 # with the 16,000-token ones, which a prefix cache would serve)
 ALL=${ALL:-"32000:1024:0.5:32:16:1:115 512:8192:0.5:48:32::160 16000:1024:0.5:32:16::65 256:6144:0.75:48:32::110"}
 START_NEED=${START_NEED:-230}
+RESERVE=${RESERVE:-50}  # seconds kept at the end of a call for the flush, a server's stop and the archive
 PHASE=${1:?phase}; T0=$(date +%s); LIMIT=${LIMIT:-560}
 D=$R/$PHASE; mkdir -p $D
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
@@ -40,27 +42,32 @@ setup() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 1; }
   python3 "$E/mkmodel.py" $M "$E/tok" || exit 1
 }
-poll() { # port: vLLM's metrics every 2 s into $D/metrics-poll.txt
-  ( while true; do curl -s "localhost:$1/metrics" 2>/dev/null | grep -E '^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|prompt_tokens_total|generation_tokens_total|request_(prefill|decode|queue)_time_seconds_(sum|count)|num_preemptions_total)' | sed "s/^/$(date +%s) /"; sleep 2; done ) >> "$D/metrics-poll.txt" 2>/dev/null &
+poll() { # port: vLLM's metrics every 2 s into $D/metrics-poll-PORT.txt
+  ( while true; do curl -s "localhost:$1/metrics" 2>/dev/null | grep -E '^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|prompt_tokens_total|generation_tokens_total|request_(prefill|decode|queue)_time_seconds_(sum|count)|num_preemptions_total)' | sed "s/^/$(date +%s) /"; sleep 2; done ) >> "$D/metrics-poll-$1.txt" 2>/dev/null &
   echo $! > $R/poll.pid; }
 unpoll() { [ -f $R/poll.pid ] && kill "$(cat $R/poll.pid)" 2>/dev/null; rm -f $R/poll.pid; }
-wait_up() { # port path [pid]: up, or give up at once when the server's process has ended
+wait_up() { # port path [pid]: up, or give up when the server's process has ended or the call's time is spent
   for i in $(seq 1 300); do curl -sf "localhost:$1$2" >/dev/null 2>&1 && return 0
-    [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null && return 1; sleep 1; done; return 1; }
+    [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null && return 1; [ "$(left)" -le "$RESERVE" ] && return 1; sleep 1; done; return 1; }
 stop() { # NAME: the server's whole process group (vLLM's engine and workers included)
   local p; p=$(cat $R/$1.pid 2>/dev/null) || return 0
   kill -- -"$p" 2>/dev/null; sleep 8; kill -9 -- -"$p" 2>/dev/null; rm -f $R/$1.pid
   cp $R/$1-server.log $D/ 2>/dev/null; }
 start() { # NAME PORT READY-PATH COMMAND...: in its own process group (setsid), so it outlives this call
   local n=$1 port=$2 path=$3; shift 3
+  rm -f "$R"/warmed-"$n"*  # a new server: its first runs get their warm-ups again
   setsid "$@" > $R/$n-server.log 2>&1 < /dev/null & echo $! > $R/$n.pid
-  wait_up "$port" "$path" "$(cat $R/$n.pid)" || { echo "$n did not start"; tail -40 $R/$n-server.log; cp $R/$n-server.log $D/; return 1; }
+  wait_up "$port" "$path" "$(cat $R/$n.pid)" || { echo "$n did not start"; tail -40 $R/$n-server.log; cp $R/$n-server.log $D/
+    stop "$n"; return 1; }
   echo "== $n up after $(( $(date +%s) - T0 )) s"; }
-measured() { ls $R/*/"$1.json" >/dev/null 2>&1; }  # NAME: its JSON was written in this or an earlier phase
+measured() { # NAME: a JSON of it, written in this or an earlier phase, with every request completed
+  local f; for f in $R/*/"$1.json"; do [ -f "$f" ] && python3 -c "import json, sys; j = json.load(open(sys.argv[1]))
+sys.exit(0 if j.get('failed') == 0 and j.get('completed') == j.get('num_prompts') else 1)" "$f" && return 0; done; return 1; }
+alive() { [ -f $R/$1.pid ] && curl -sf -m 10 "localhost:$2$3" >/dev/null 2>&1; }  # NAME PORT PATH: its server answers
 warmups() { # KEY: $WARM the first time a server or policy runs, 0 after
   if [ -f "$R/warmed-$1" ]; then echo 0; else touch "$R/warmed-$1"; echo "$WARM"; fi; }
 bench() { # name port in out range prompts conc seed server_args [extra-body]  ($NW: warm-ups, $NEED: seconds it needs)
-  local t0 lim; t0=$(date +%s); lim=$(( $(left) - 5 ))
+  local t0 lim; t0=$(date +%s); lim=$(( $(left) - RESERVE ))
   measured "$1" && { echo "== $1 already measured"; return 0; }
   [ "$lim" -lt "${NEED:-30}" ] && { echo "== $1 skipped: $lim s left, it needs ${NEED:-30}"; return 1; }
   local nw=${NW:-$WARM}; [ -n "${WKEY:-}" ] && nw=$(warmups "$WKEY")
@@ -72,6 +79,7 @@ bench() { # name port in out range prompts conc seed server_args [extra-body]  (
     --result-filename "$1.json" --metadata "gpu_memory_utilization=$GPU" "max_num_seqs=$SEQS" "max_model_len=$MAXLEN" \
     "server=${1%%-*}" "server_args=$9" ${10:+--extra-body "${10}"} > "$D/$1.bench.txt" 2>&1
   echo "== $1 rc=$? $(( $(date +%s) - t0 )) s"
+  [ -n "${WKEY:-}" ] && ! measured "$1" && rm -f "$R/warmed-$WKEY"  # its retry gets the warm-ups again
   grep -E "Successful|Failed|Benchmark duration|Output token throughput|Median TTFT|Median TPOT|Median ITL" "$D/$1.bench.txt"
 }
 cot() { # WORKLOADS POLICIES
@@ -108,14 +116,14 @@ case $PHASE in
   auto) # everything in order, as far as this call's time goes; call it again until it prints "all measured"
     [ -f $R/setup.done ] || { setup && touch $R/setup.done; } || exit 1
     if [ ! -f $R/stock.finished ]; then
-      [ -f $R/stock.pid ] || { [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start stock"; pack; exit 0; }
+      alive stock 8100 /v1/models || { stop stock; [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start stock"; pack; exit 0; }
         start stock 8100 /v1/models env VLLM_PLUGINS=none python3 -m vllm.entrypoints.cli.main serve $M --served-model-name m \
           --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8100 || { pack; exit 1; }; }
       poll 8100; stock "$ALL" && touch $R/stock.finished; unpoll
       [ -f $R/stock.finished ] && stop stock
     fi
     if [ -f $R/stock.finished ] && [ ! -f $R/cot.finished ]; then
-      [ -f $R/cotserve.pid ] || { [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start cotserve"; pack; exit 0; }
+      alive cotserve 8200 /ready || { stop cotserve; [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start cotserve"; pack; exit 0; }
         start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl $COT || { pack; exit 1; }; }
       poll 8200; cot "$ALL" "dense sfi" && touch $R/cot.finished; flush
       [ -f $R/cot.finished ] && stop cotserve
