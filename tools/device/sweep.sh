@@ -57,8 +57,7 @@ start() { # NAME PORT READY-PATH COMMAND...: in its own process group (setsid), 
   local n=$1 port=$2 path=$3; shift 3
   rm -f "$R"/warmed-"$n"*  # a new server: its first runs get their warm-ups again
   setsid "$@" > $R/$n-server.log 2>&1 < /dev/null & echo $! > $R/$n.pid
-  wait_up "$port" "$path" "$(cat $R/$n.pid)" || { echo "$n did not start"; tail -40 $R/$n-server.log; cp $R/$n-server.log $D/
-    stop "$n"; return 1; }
+  wait_up "$port" "$path" "$(cat $R/$n.pid)" || { echo "$n did not start"; tail -40 $R/$n-server.log; stop "$n"; return 1; }
   echo "== $n up after $(( $(date +%s) - T0 )) s"; }
 measured() { # NAME: a JSON of it, written in this or an earlier phase, with every request completed
   local f; for f in $R/*/"$1.json"; do [ -f "$f" ] && python3 -c "import json, sys; j = json.load(open(sys.argv[1]))
@@ -67,6 +66,7 @@ alive() { [ -f $R/$1.pid ] && curl -sf -m 10 "localhost:$2$3" >/dev/null 2>&1; }
 warmups() { # KEY: $WARM the first time a server or policy runs, 0 after
   if [ -f "$R/warmed-$1" ]; then echo 0; else touch "$R/warmed-$1"; echo "$WARM"; fi; }
 bench() { # name port in out range prompts conc seed server_args [extra-body]  ($NW: warm-ups, $NEED: seconds it needs)
+  # returns 0 when the run is measured (now or before), 1 when it is still to do
   local t0 lim; t0=$(date +%s); lim=$(( $(left) - RESERVE ))
   measured "$1" && { echo "== $1 already measured"; return 0; }
   [ "$lim" -lt "${NEED:-30}" ] && { echo "== $1 skipped: $lim s left, it needs ${NEED:-30}"; return 1; }
@@ -79,14 +79,15 @@ bench() { # name port in out range prompts conc seed server_args [extra-body]  (
     --result-filename "$1.json" --metadata "gpu_memory_utilization=$GPU" "max_num_seqs=$SEQS" "max_model_len=$MAXLEN" \
     "server=${1%%-*}" "server_args=$9" ${10:+--extra-body "${10}"} > "$D/$1.bench.txt" 2>&1
   echo "== $1 rc=$? $(( $(date +%s) - t0 )) s"
-  [ -n "${WKEY:-}" ] && ! measured "$1" && rm -f "$R/warmed-$WKEY"  # its retry gets the warm-ups again
   grep -E "Successful|Failed|Benchmark duration|Output token throughput|Median TTFT|Median TPOT|Median ITL" "$D/$1.bench.txt"
+  measured "$1" && return 0
+  [ -n "${WKEY:-}" ] && rm -f "$R/warmed-$WKEY"; return 1  # its retry gets the warm-ups again
 }
 cot() { # WORKLOADS POLICIES
   local p w i o r n c s need miss=0
   for w in $1; do IFS=: read -r i o r n c s need <<< "$w"
     for p in $2; do WKEY="cotserve-$p" NEED=${need:-30} bench "cotserve-$p-$i-$o${s:+-s$s}" 8200 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "${COT_ARGS:-}" \
-      "{\"cotserve\": {\"policy\": \"$p\"}}"; measured "cotserve-$p-$i-$o${s:+-s$s}" || miss=1; done
+      "{\"cotserve\": {\"policy\": \"$p\"}}" || miss=1; done
   done; return $miss; }
 flush() { # one short request after a pause: the runtime writes what waits for a next step
   sleep 3; curl -s -m 60 localhost:8200/v1/chat/completions -H 'Content-Type: application/json' \
@@ -97,8 +98,8 @@ pack() { unpoll; curl -s localhost:8200/metrics 2>/dev/null | grep -E '^cotserve
 COT="python3 -m cotserve.cli serve --engine vllm --model $M --served-model-name m --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8200"
 stock() { # WORKLOADS
   local w i o r n c s need miss=0
-  for w in $1; do IFS=: read -r i o r n c s need <<< "$w"; WKEY=stock NEED=${need:-30} bench "stock-dense-$i-$o${s:+-s$s}" 8100 "$i" "$o" "$r" "$n" "$c" "${s:-0}" ""
-    measured "stock-dense-$i-$o${s:+-s$s}" || miss=1; done; return $miss; }
+  for w in $1; do IFS=: read -r i o r n c s need <<< "$w"; WKEY=stock NEED=${need:-30} bench "stock-dense-$i-$o${s:+-s$s}" 8100 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "" \
+    || miss=1; done; return $miss; }
 case $PHASE in
   stock1) setup
     [ "${CUDA_TESTS:-1}" = 1 ] && PYTHONPATH=/root/vsite:/root/xsite:$PWD timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider \
