@@ -2,10 +2,10 @@
 native engine.
 
 The test run's shared vLLM engine (tests/conftest.py: `EvictingScheduler`, the cotserve plugin,
-the bundled model's shipped steering vector) decodes a skipkv request (budget 256, interval 128, 1,024-token prompt, 256 new tokens)
+the bundled model's shipped steering vector) decodes a skipkv request (budget 256, interval 128, 1,024-token prompt, 192 new tokens)
 beside a dense one, a steering one and an h2o one; the native engine decodes each alone:
 
-* skipkv's greedy tokens agree on at least 95 % of the 256 steps, at the same compaction points,
+* skipkv's greedy tokens agree on at least 95 % of the 192 steps, at the same compaction points,
   and its first compaction keeps the same entries (true positions per layer and KV head);
 * every compaction returns blocks to vLLM's pool (its free-block count rises);
 * the dense request beside it decodes as the native dense engine does;
@@ -46,7 +46,7 @@ from cotserve.engine.sampling import SamplingParams  # noqa: E402
 from cotserve.policies.eviction import ScoredEviction  # noqa: E402
 from cotserve.policies.steering import shipped_dir  # noqa: E402
 
-CTX, NEW = 1024, 256
+CTX, NEW = 1024, 192
 SKIPKV = {"budget": 256, "interval": 128}  # a compaction evicts one whole block
 COMPACTIONS = 1 + (NEW - 1) // SKIPKV["interval"]  # after the prompt, then every interval steps
 H2O = {"budget": 256, "interval": 32}
