@@ -27,6 +27,8 @@ W2=${W2:-"256:6144:0.75:48:32 512:8192:0.5:48:32"}
 C1=${C1:-"$W1 256:6144:0.75:48:32"}; C2=${C2:-"512:8192:0.5:48:32"}
 GPU=${GPU:-0.9}; SEQS=${SEQS:-64}; MAXLEN=${MAXLEN:-36000}
 WARM=${WARM:-1}
+POLICIES=${POLICIES:-"dense sfi"}  # cotserve's policies, in the order they run on each workload
+SKIP_STOCK=${SKIP_STOCK:-0}  # 1: auto runs cotserve alone (SFI against cotserve dense only, when a lease is short)
 # auto: all four workloads, each with the seconds its run needs on an H200 at most (warm-up and load generator
 # start-up included); a run that would not end before the call's limit waits for the next call
 # (IN:OUT:RANGE:PROMPTS:CONCURRENCY:SEED:SECONDS; the 32,000-token prompts take seed 1, so that they do not begin
@@ -112,10 +114,11 @@ case $PHASE in
   stock2) poll 8100; stock "$W2"; stop stock
     start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl $COT || { pack; exit 1; }
     pack ;;
-  cot1) poll 8200; cot "$C1" "dense sfi"; flush; pack ;;
-  cot2) poll 8200; cot "$C2" "dense sfi"; flush; stop cotserve; pack ;;
+  cot1) poll 8200; cot "$C1" "$POLICIES"; flush; pack ;;
+  cot2) poll 8200; cot "$C2" "$POLICIES"; flush; stop cotserve; pack ;;
   auto) # everything in order, as far as this call's time goes; call it again until it prints "all measured"
     [ -f $R/setup.done ] || { setup && touch $R/setup.done; } || exit 1
+    [ "$SKIP_STOCK" = 1 ] && touch $R/stock.finished
     if [ ! -f $R/stock.finished ]; then
       alive stock 8100 /v1/models || { stop stock; [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start stock"; pack; exit 0; }
         start stock 8100 /v1/models env VLLM_PLUGINS=none python3 -m vllm.entrypoints.cli.main serve $M --served-model-name m \
@@ -126,7 +129,7 @@ case $PHASE in
     if [ -f $R/stock.finished ] && [ ! -f $R/cot.finished ]; then
       alive cotserve 8200 /ready || { stop cotserve; [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start cotserve"; pack; exit 0; }
         start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl $COT || { pack; exit 1; }; }
-      poll 8200; cot "$ALL" "dense sfi" && touch $R/cot.finished; flush
+      poll 8200; cot "$ALL" "$POLICIES" && touch $R/cot.finished; flush
       [ -f $R/cot.finished ] && stop cotserve
     fi
     [ -f $R/cot.finished ] && echo "== all measured"; pack ;;
