@@ -118,20 +118,20 @@ case $PHASE in
   cot2) poll 8200; cot "$C2" "$POLICIES"; flush; stop cotserve; pack ;;
   auto) # everything in order, as far as this call's time goes; call it again until it prints "all measured"
     [ -f $R/setup.done ] || { setup && touch $R/setup.done; } || exit 1
-    [ "$SKIP_STOCK" = 1 ] && touch $R/stock.finished
-    if [ ! -f $R/stock.finished ]; then
+    if [ "$SKIP_STOCK" != 1 ] && [ ! -f $R/stock.finished ]; then
       alive stock 8100 /v1/models || { stop stock; [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start stock"; pack; exit 0; }
         start stock 8100 /v1/models env VLLM_PLUGINS=none python3 -m vllm.entrypoints.cli.main serve $M --served-model-name m \
           --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8100 || { pack; exit 1; }; }
       poll 8100; stock "$ALL" && touch $R/stock.finished; unpoll
       [ -f $R/stock.finished ] && stop stock
     fi
-    if [ -f $R/stock.finished ] && [ ! -f $R/cot.finished ]; then
+    if { [ "$SKIP_STOCK" = 1 ] || [ -f $R/stock.finished ]; } && [ ! -f $R/cot.finished ]; then
       alive cotserve 8200 /ready || { stop cotserve; [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start cotserve"; pack; exit 0; }
         start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl $COT || { pack; exit 1; }; }
       poll 8200; cot "$ALL" "$POLICIES" && touch $R/cot.finished; flush
       [ -f $R/cot.finished ] && stop cotserve
     fi
-    [ -f $R/cot.finished ] && echo "== all measured"; pack ;;
+    [ -f $R/cot.finished ] && { [ -f $R/stock.finished ] && echo "== all measured" || echo "== cotserve measured (stock skipped)"; }
+    pack ;;
   *) echo "usage: sweep.sh stock1|stock2|cot1|cot2|auto"; exit 2 ;;
 esac
