@@ -7,6 +7,8 @@ STAMP := $(VENV)/.cotserve-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
+# pytest-xdist workers for `make test` and `make test-fast` (0: one process)
+TEST_JOBS ?= 2
 
 .PHONY: install serve test test-fast lint docs lock clean-venv
 
@@ -33,11 +35,11 @@ serve: install
 	$(VENV)/bin/cotserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests -n $(TEST_JOBS) $(ARGS)
 
 # the quick part: everything but the vLLM, CUDA and slow tests (markers in pyproject.toml)
 test-fast: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests -m "not vllm and not cuda and not slow" $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests -m "not vllm and not cuda and not slow" -n $(TEST_JOBS) $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check cotserve tests tools

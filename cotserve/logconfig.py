@@ -39,14 +39,27 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+_factory_tags: list[tuple[Any, frozenset[str]]] = []  # [(record factory, the attributes it puts on every record)]
+
+
+def _factory_attributes() -> frozenset[str]:
+    """What the installed record factory puts on every record: vLLM's, installed when vLLM is imported
+    into the process (the embedded vLLM worker), tags each record with its process name."""
+    factory = logging.getLogRecordFactory()
+    if not _factory_tags or _factory_tags[0][0] is not factory:
+        _factory_tags[:] = [(factory, frozenset(vars(factory("", logging.INFO, "", 0, "", (), None))))]
+    return _factory_tags[0][1]
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {"time": _utc(record), "level": record.levelname, "logger": record.name,
                                "message": record.getMessage()}
+        tagged = _factory_attributes()
         for key, value in vars(record).items():
             # the fields a caller passed in `extra` (plain values; libraries that tag every record
             # with their own objects, such as litellm's redaction marker, are left out)
-            if key not in _STANDARD and not key.startswith("_") and isinstance(
+            if key not in _STANDARD and key not in tagged and not key.startswith("_") and isinstance(
                     value, (str, int, float, bool, type(None), list, dict)):
                 out[key] = value
         if record.exc_info:

