@@ -17,14 +17,15 @@ import json
 import logging
 import os
 import time
+from functools import lru_cache
 from typing import Any
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 FORMATS = ("text", "json")
 LOGGERS = ("cotserve", "uvicorn", "uvicorn.error", "uvicorn.access")
-# LogRecord's own attributes: everything else on a record came from `extra=`.
-# uvicorn's `color_message` repeats the message with terminal colours.
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName", "color_message"}
+# Set on records after they are made, never by a caller's `extra=`; uvicorn's `color_message` repeats
+# the message with terminal colours.
+_NOT_EXTRA = frozenset({"message", "asctime", "taskName", "color_message"})
 
 
 def _utc(record: logging.LogRecord) -> str:
@@ -39,27 +40,23 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-_factory_tags: list[tuple[Any, frozenset[str]]] = []  # [(record factory, the attributes it puts on every record)]
-
-
-def _factory_attributes() -> frozenset[str]:
-    """What the installed record factory puts on every record: vLLM's, installed when vLLM is imported
-    into the process (the embedded vLLM worker), tags each record with its process name."""
-    factory = logging.getLogRecordFactory()
-    if not _factory_tags or _factory_tags[0][0] is not factory:
-        _factory_tags[:] = [(factory, frozenset(vars(factory("", logging.INFO, "", 0, "", (), None))))]
-    return _factory_tags[0][1]
+@lru_cache(maxsize=1)
+def _every_records_attributes(factory: Any) -> frozenset[str]:
+    """What the installed record factory puts on every record: LogRecord's own attributes, and what a
+    library's factory adds (vLLM's, installed when an engine starts in the process, as in the embedded
+    vLLM worker, tags each record with its process name). Everything else came from `extra=`."""
+    return frozenset(vars(factory("", logging.INFO, "", 0, "", (), None))) | _NOT_EXTRA
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {"time": _utc(record), "level": record.levelname, "logger": record.name,
                                "message": record.getMessage()}
-        tagged = _factory_attributes()
+        standard = _every_records_attributes(logging.getLogRecordFactory())
         for key, value in vars(record).items():
             # the fields a caller passed in `extra` (plain values; libraries that tag every record
             # with their own objects, such as litellm's redaction marker, are left out)
-            if key not in _STANDARD and key not in tagged and not key.startswith("_") and isinstance(
+            if key not in standard and not key.startswith("_") and isinstance(
                     value, (str, int, float, bool, type(None), list, dict)):
                 out[key] = value
         if record.exc_info:

@@ -116,10 +116,6 @@ def vllm_engine(tmp_path_factory):
 SHARED_VLLM_ENGINE_FILES = {"test_policy_matrix.py", "test_vllm_continuous.py", "test_vllm_evict.py"}
 
 
-def _file_of(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """A worker takes a whole file at a time (its module fixtures are built once), the files that share
@@ -128,7 +124,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = _file_of(nodeid)
+            path = nodeid.split("::", 1)[0]
             return "vllm_engine" if path.rsplit("/", 1)[-1] in SHARED_VLLM_ENGINE_FILES else path
 
     config.option.loadscopereorder = False
