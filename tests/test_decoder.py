@@ -123,6 +123,25 @@ def _tiny(model_type: str, **extra) -> NativeEngine:
     return NativeEngine(loaded, max_batch=3)
 
 
+def test_a_second_engine_on_the_same_model_reuses_the_fused_weights():
+    """A second `NativeEngine` on one loaded model (q/k/v biases included) takes the weights the
+    first one fused as they are: both engines and the modules read one memory, nothing is copied
+    again, and the first engine's output is unchanged."""
+    first = _tiny("qwen2")
+    before = _run(first, first.forward, first.lean.logits, torch.tensor([[5, 9, 2, 7]]), [4], [torch.tensor([3])])
+    second = NativeEngine(first.loaded, max_batch=3)
+    layer = first.model.model.layers[1]
+    for eng in (first, second):
+        lean = eng.lean.layers[1]
+        assert lean.qkv.weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        assert lean.qkv.bias.data_ptr() == layer.self_attn.q_proj.bias.data_ptr()
+        assert lean.gate_up.weight.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+        assert lean.gate_up.weight.shape == (2 * 96, 64) and lean.qkv.bias.shape == (64 + 2 * 32,)
+    after = _run(first, first.forward, first.lean.logits, torch.tensor([[5, 9, 2, 7]]), [4], [torch.tensor([3])])
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama"])
 def test_lean_equals_transformers_on_other_llama_family_layouts(model_type):
     engine = _tiny(model_type)

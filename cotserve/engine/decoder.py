@@ -47,16 +47,36 @@ def route_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return batch.policy.decode_attention(layer, q, batch)
 
 
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor the row blocks `parts` already are, back to back in one storage (the case
+    after an earlier fusion of the same modules), or None where they are not."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for p in parts:
+        if (not p.is_contiguous() or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or p.storage_offset() != offset):
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
 def _fuse(modules: list[torch.nn.Module]) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
     """Concatenate the weights (and biases) of linear-like modules along the output dim; the
-    modules' own weights become views of the fused tensor."""
-    weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in modules]), requires_grad=False)
+    modules' own weights become views of the fused tensor. Weights fused before (a second engine
+    on the same loaded model) are taken as they are: no copy, and every engine on the model reads
+    the memory its modules read."""
+    weights = [m.weight.detach() for m in modules]
+    base = _adjacent(weights)
+    weight = torch.nn.Parameter(base if base is not None else torch.cat(weights), requires_grad=False)
     biases = [getattr(m, "bias", None) for m in modules]
     bias = None
     if any(b is not None for b in biases):
         parts = [b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype,
                  device=weight.device) for m, b in zip(modules, biases, strict=True)]
-        bias = torch.nn.Parameter(torch.cat(parts), requires_grad=False)
+        base = _adjacent(parts) if all(b is not None for b in biases) else None
+        bias = torch.nn.Parameter(base if base is not None else torch.cat(parts), requires_grad=False)
     row = 0
     for m, b in zip(modules, biases, strict=True):
         n = m.weight.shape[0]
