@@ -19,8 +19,9 @@ graph; the selection it makes is read from that step on, exactly as in the nativ
 Memory: compact buffers of `slots x layers x KV heads x (sinks + k_max) x head_dim` for K and V
 in the cache dtype, allocated while the model loads, so vLLM's KV cache is sized around them
 (`gpu_memory`):
-`COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64; none in a plain `vllm
-serve` with prefix caching on, where SFI is not served) SFI requests run at once; another decodes
+`COTSERVE_VLLM_SFI_SLOTS` (default: the engine's max_num_seqs, at most 64, no more than fit in an
+eighth of the memory the KV cache would get (`gpu_memory.sfi_slots`); none in a plain `vllm serve`
+with prefix caching on, where SFI is not served) SFI requests run at once; another decodes
 densely, see `docs/vllm.md`. `COTSERVE_VLLM_SFI_MAX_K` (default: SFI's default k) caps k.
 """
 
@@ -33,6 +34,7 @@ import torch
 
 from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.policies.options import SFIOptions, option_default
+from cotserve.policies.sfi.paged import slot_bytes
 from cotserve.vllm import compat, gpu_memory
 from cotserve.vllm.compat import FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadataBuilder
 from cotserve.vllm.flash_paged import FlashPagedKV, split_kv
@@ -45,8 +47,9 @@ log = logging.getLogger(__name__)
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def _runtime(vllm_config, device) -> GraphSFI:
-    """The process's CUDA SFI runtime (`process.runtimes().graph_sfi`), made at the first call."""
+def _runtime(vllm_config, device, at_load: bool = False) -> GraphSFI:
+    """The process's CUDA SFI runtime (`process.runtimes().graph_sfi`), made at the first call; made
+    while the model loads (`at_load`), its slots are sized by the memory the KV cache would get."""
     proc = runtimes()
     if proc.graph_sfi is None:
         layers = compat.attention_layers(vllm_config)
@@ -54,10 +57,18 @@ def _runtime(vllm_config, device) -> GraphSFI:
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         first = ordered[0].impl
         max_rows = max(sc.max_num_seqs, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-        slots = gpu_memory.sfi_slots(sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching),
-                                     gpu_memory.started_by_cotserve(vllm_config))
         given = settings().sfi_max_k
-        max_k = (given if given is not None else option_default(SFIOptions, "k")) if slots else 0
+        max_k = given if given is not None else option_default(SFIOptions, "k")
+        per_slot = slot_bytes(len(ordered), first.num_heads, first.num_kv_heads, first.head_size, mc.dtype, max_k)
+        kv_memory = gpu_memory.kv_memory(vllm_config, device) if at_load else None
+        slots = gpu_memory.sfi_slots(sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching),
+                                     gpu_memory.started_by_cotserve(vllm_config), per_slot=per_slot,
+                                     fixed=gpu_memory.sfi_fixed_bytes(mc.dtype), kv_memory=kv_memory)
+        if kv_memory is not None and slots < min(sc.max_num_seqs, 64) and settings().sfi_slots is None:
+            log.info("sfi: %d slots, not %d: SFI's buffers (%.2f GiB a slot) take at most an eighth of the "
+                     "%.1f GiB the KV cache would get; COTSERVE_VLLM_SFI_SLOTS sets the number", slots,
+                     min(sc.max_num_seqs, 64), per_slot / 2**30, kv_memory / 2**30)
+        max_k = max_k if slots else 0
         from cotserve.vllm.runtime_builders import model_tokenizer
 
         tok = model_tokenizer(mc, "SFI's sentence boundaries (refreshes come from max_interval only)")
@@ -86,7 +97,7 @@ def _at_model_load(vllm_config) -> tuple[torch.device, bool, bool] | None:
     if not layers or not isinstance(layers[0].impl, CotserveFlashImpl):
         return None
     device = torch.device("cuda", torch.cuda.current_device())
-    sfi = _runtime(vllm_config, device).slots > 0
+    sfi = _runtime(vllm_config, device, at_load=True).slots > 0
     return device, sfi, _evict_runtime(vllm_config, device) is not None
 
 

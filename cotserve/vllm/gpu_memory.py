@@ -42,16 +42,58 @@ def started_by_cotserve(vllm_config) -> bool:
     return bool((additional_config(vllm_config).get(COTSERVE_CONFIG) or {}).get("engine"))
 
 
-def sfi_slots(max_num_seqs: int, prefix_caching: bool, by_cotserve: bool) -> int:
+# the most of the memory vLLM's KV cache would get that SFI's buffers may take when the number of
+# slots is not given. A slot holds about what C tokens of KV cache hold (C ~ 2,100 at the paper's
+# k), so with an eighth the KV cache keeps 7/8 of what stock `vllm serve` gets, and there are about
+# as many slots as requests of 8 x C tokens or more fit in it at once (those SFI speeds up most)
+SFI_MEMORY_SHARE = 1 / 8
+
+
+def sfi_slots(max_num_seqs: int, prefix_caching: bool, by_cotserve: bool, per_slot: int = 0, fixed: int = 0,
+              kv_memory: int | None = None) -> int:
     """SFI requests a CUDA engine decodes at once (its compact buffers' slots):
-    `$COTSERVE_VLLM_SFI_SLOTS` when set, else max_num_seqs, at most 64. None in a plain `vllm serve`
-    with prefix caching on: its SFI requests may read a cached prefix, so they decode densely (the
-    row tracker), and the memory stays vLLM's. Started by cotserve, SFI requests compute their whole
-    prompt (`params.reads_whole_prompt`) and run beside prefix caching."""
+    `$COTSERVE_VLLM_SFI_SLOTS` when set; else max_num_seqs, at most 64, and, when `kv_memory` (the
+    bytes vLLM's KV cache would get without cotserve) is known, no more than fit `SFI_MEMORY_SHARE`
+    of it at `per_slot` bytes a slot after the `fixed` bytes SFI needs whatever the slots (none
+    when even one does not fit). None in a plain `vllm serve` with prefix caching on: its SFI
+    requests may read a cached prefix, so they decode densely (the row tracker), and the memory
+    stays vLLM's. Started by cotserve, SFI requests compute their whole prompt
+    (`params.reads_whole_prompt`) and run beside prefix caching."""
     if prefix_caching and not by_cotserve:
         return 0
     given = settings().sfi_slots
-    return max(0, given) if given is not None else min(max_num_seqs, 64)
+    if given is not None:
+        return max(0, given)
+    n = min(max_num_seqs, 64)
+    if kv_memory is not None and per_slot > 0:
+        n = min(n, max(0, int((kv_memory * SFI_MEMORY_SHARE - fixed) // per_slot)))
+    return n
+
+
+def sfi_fixed_bytes(dtype: torch.dtype) -> int:
+    """What an engine with SFI slots reserves whatever their number: the refreshes' logits buffer
+    (`PagedSFI.reserve_logits`) and their working tensors (`scratch_bytes`)."""
+    from cotserve.policies.sfi.paged import REFRESH_FLOATS
+
+    return 4 * (REFRESH_FLOATS + REFRESH_FLOATS // 16) + scratch_bytes(dtype, sfi=True, evict=False)
+
+
+def kv_memory(vllm_config, device: torch.device) -> int | None:
+    """The bytes vLLM will give its KV cache, as far as they are known while the model loads: its
+    `kv_cache_memory_bytes` when set, else `gpu_memory_utilization` x the device's memory less what
+    is allocated now (the model's weights; the profile run's peak comes later and is not counted).
+    None where it cannot be read (then the slots are not sized by memory)."""
+    try:
+        cc = vllm_config.cache_config
+        given = getattr(cc, "kv_cache_memory_bytes", None)
+        if given:
+            return int(given)
+        if device.type != "cuda":
+            return None
+        total = torch.cuda.mem_get_info(device)[1]
+        return max(0, int(cc.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device))
+    except Exception:  # a guest: sized as before
+        return None
 
 
 def scratch_bytes(dtype: torch.dtype, sfi: bool, evict: bool) -> int:

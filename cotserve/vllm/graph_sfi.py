@@ -254,8 +254,9 @@ class GraphSFI(PagedSFI):
         cfg: SFIConfig = req.sfi
         if not self.slots:  # an engine that serves no SFI (a plain vLLM with prefix caching on)
             if not self._no_slots_warned:
-                log.warning("sfi: this engine makes no SFI slots (prefix caching on in a plain vLLM, or "
-                            "COTSERVE_VLLM_SFI_SLOTS=0); SFI requests decode densely")
+                log.warning("sfi: this engine makes no SFI slots (prefix caching on in a plain vLLM, no room "
+                            "for one beside the KV cache, or COTSERVE_VLLM_SFI_SLOTS=0); SFI requests "
+                            "decode densely")
                 self._no_slots_warned = True
             req.sfi = None
             return None

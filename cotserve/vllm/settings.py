@@ -21,7 +21,7 @@ PREFIX = "COTSERVE_VLLM_"
 class PluginSettings:
     """One field per variable (`PREFIX` + the field's name in capitals); None where it is unset."""
 
-    sfi_slots: int | None = None  # SFI requests a CUDA engine decodes at once (default: max_num_seqs, at most 64)
+    sfi_slots: int | None = None  # SFI requests a CUDA engine decodes at once (default: `gpu_memory.sfi_slots`)
     sfi_max_k: int | None = None  # the largest k a CUDA SFI request may ask (default: SFI's default k)
     scratch_mib: int | None = None  # working tensors reserved inside vLLM's budget (`gpu_memory.scratch_bytes`)
     evict_slots: int | None = None  # evicting requests at once on CUDA (default: max_num_seqs); 0 leaves eviction out

@@ -93,6 +93,19 @@ class SlotState(SFIRequestState):
         return out
 
 
+def compact_len(max_k: int, max_sinks: int = 16) -> int:
+    """C, a compact buffer's entries: sinks + k rounded up to 64."""
+    return -(-(max_k + max_sinks) // 64) * 64
+
+
+def slot_bytes(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               max_k: int, max_sinks: int = 16) -> int:
+    """Bytes `PagedSFI` allocates per slot: compact K and V, their positions, the ring of query rows."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    c = compact_len(max_k, max_sinks)
+    return num_layers * (num_kv_heads * c * (2 * head_dim * elem + 4) + W_MAX * num_heads * head_dim * elem)
+
+
 class PagedSFI:
     """Compact buffers, rings, row tensors and the batched refresh (module docstring)."""
 
@@ -106,7 +119,7 @@ class PagedSFI:
         self.slots = slots
         self.max_rows = max_rows
         self.max_k = max_k
-        self.C = -(-(max_k + max_sinks) // 64) * 64
+        self.C = compact_len(max_k, max_sinks)
         L, S, H, C, D = self.L, slots, num_kv_heads, self.C, head_dim  # noqa: N806
         dev = self.device
         sb = max(S, 1)  # no slots (an engine that serves no SFI): one small unused slot keeps the kernels' pointers valid
