@@ -69,9 +69,11 @@ def test_the_fixed_part_is_the_logits_buffer_and_the_working_tensors():
     assert logits >= 4 * REFRESH_FLOATS
 
 
-def test_kv_memory_is_the_given_budget_or_unknown_and_never_raises():
+def test_kv_memory_is_unknown_where_the_reservation_takes_nothing_from_it_and_never_raises():
+    # a KV cache of a given size (`--kv-cache-memory-bytes`): vLLM sizes it to that whatever the model
+    # holds, so SFI's buffers take nothing from it and the slots are not capped
     given = NS(cache_config=NS(kv_cache_memory_bytes=6 * GiB, gpu_memory_utilization=0.9))
-    assert gpu_memory.kv_memory(given, torch.device("cpu")) == 6 * GiB
+    assert gpu_memory.kv_memory(given, torch.device("cuda", 0)) is None
     by_share = NS(cache_config=NS(kv_cache_memory_bytes=None, gpu_memory_utilization=0.9))
     assert gpu_memory.kv_memory(by_share, torch.device("cpu")) is None  # no CUDA memory to read here
     assert gpu_memory.kv_memory(NS(), torch.device("cuda", 0)) is None  # an unfamiliar config

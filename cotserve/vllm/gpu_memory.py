@@ -79,15 +79,16 @@ def sfi_fixed_bytes(dtype: torch.dtype) -> int:
 
 
 def kv_memory(vllm_config, device: torch.device) -> int | None:
-    """The bytes vLLM will give its KV cache, as far as they are known while the model loads: its
-    `kv_cache_memory_bytes` when set, else `gpu_memory_utilization` x the device's memory less what
-    is allocated now (the model's weights; the profile run's peak comes later and is not counted).
-    None where it cannot be read (then the slots are not sized by memory)."""
+    """The bytes vLLM's KV cache would get without cotserve's reservation, as far as they are known
+    while the model loads: `gpu_memory_utilization` x the device's memory less what is allocated now
+    (the model's weights; the profile run's peak comes later and is not counted). None where the
+    reservation takes nothing from the KV cache (`kv_cache_memory_bytes` given: vLLM then sizes the
+    cache to it whatever the model holds) or where it cannot be read; the slots are then not sized
+    by memory."""
     try:
         cc = vllm_config.cache_config
-        given = getattr(cc, "kv_cache_memory_bytes", None)
-        if given:
-            return int(given)
+        if getattr(cc, "kv_cache_memory_bytes", None):
+            return None
         if device.type != "cuda":
             return None
         total = torch.cuda.mem_get_info(device)[1]

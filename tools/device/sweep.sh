@@ -29,11 +29,12 @@ GPU=${GPU:-0.9}; SEQS=${SEQS:-64}; MAXLEN=${MAXLEN:-36000}
 WARM=${WARM:-1}
 POLICIES=${POLICIES:-"dense sfi"}  # cotserve's policies, in the order they run on each workload
 SKIP_STOCK=${SKIP_STOCK:-0}  # 1: auto runs cotserve alone (SFI against cotserve dense only, when a lease is short)
-# auto: all four workloads, each with the seconds its run needs on an H200 at most (warm-up and load generator
-# start-up included); a run that would not end before the call's limit waits for the next call
+# auto: all four workloads, each with the seconds its run needs at most (warm-up and load generator start-up
+# included; an H100 takes longer than an H200: 127 s against ~100 s for stock at 32,000); a run that would
+# not end before the call's limit waits for the next call
 # (IN:OUT:RANGE:PROMPTS:CONCURRENCY:SEED:SECONDS; the 32,000-token prompts take seed 1, so that they do not begin
 # with the 16,000-token ones, which a prefix cache would serve)
-ALL=${ALL:-"32000:1024:0.5:32:16:1:115 512:8192:0.5:48:32::160 16000:1024:0.5:32:16::65 256:6144:0.75:48:32::110"}
+ALL=${ALL:-"32000:1024:0.5:32:16:1:145 16000:1024:0.5:32:16::90 256:6144:0.75:48:32::150 512:8192:0.5:48:32::200"}
 START_NEED=${START_NEED:-230}
 RESERVE=${RESERVE:-50}  # seconds kept at the end of a call for the flush, a server's stop and the archive
 PHASE=${1:?phase}; T0=$(date +%s); LIMIT=${LIMIT:-560}
