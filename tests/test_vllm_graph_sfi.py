@@ -506,3 +506,69 @@ def test_layer_views_are_kept_until_vllm_binds_new_caches(setup):
     again = g.paged_layers()
     assert again is not views and again.keys[1].data_ptr() == fresh.data_ptr()
     assert int(again.key_off[1]) * fresh.element_size() == fresh.data_ptr() - caches[0].data_ptr()
+
+
+def test_a_request_that_found_every_slot_busy_takes_the_next_one_that_frees(caplog):
+    """With one slot and two SFI requests, the second decodes densely (no state, one warning) until
+    the first leaves; then it takes the freed slot at its current length, decodes densely for
+    `obs_window` steps while its query rows fill the ring, selects at the next step (slow), and
+    reads sparsely only after that selection filled the compact buffer. An evicting request that
+    finds no slot decodes densely to its end, as before."""
+    from cotserve.vllm.batch_rows import RowRequest
+
+    gen = torch.Generator().manual_seed(11)
+    caches = [torch.randn(NB, HKV, BS, 2 * D, generator=gen) for _ in range(L)]
+    g = GraphSFI([SimpleNamespace(kv_cache=c) for c in caches], HQ, HKV, D, 0.25, torch.float32,
+                 torch.device("cpu"), slots=1, max_rows=4, max_k=32, rows=BatchRows())
+    cfg = SFIConfig(k=24, recent=16, sinks=4, obs_window=8, dense_heads=0)
+    prompt = 60  # past sinks + k + recent (44): the first request bootstraps at its prompt's end
+    a = RowRequest(prompt_ids=list(range(prompt)), output_ids=[], sfi=cfg)
+    b = RowRequest(prompt_ids=list(range(prompt)), output_ids=[], sfi=cfg)
+    g.rows.rows[0], g.rows.rows[1] = a, b
+    blocks = torch.stack([torch.randperm(NB, generator=gen)[:8] for _ in range(2)]).to(torch.int32)
+
+    def step(ntoks: list[int], lens: list[int]):
+        qsl = torch.tensor([0, *torch.tensor(ntoks).cumsum(0).tolist()])
+        cm = SimpleNamespace(num_reqs=2, query_start_loc_cpu=qsl, block_table_tensor=blocks,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32))
+        g.refresh_due(cm, BS)
+        g.step(cm, BS)
+        return int(g.row_mode[0]), int(g.row_mode[1])
+
+    with caplog.at_level("WARNING", logger="cotserve.vllm.graph_sfi"):
+        step([prompt, prompt], [prompt, prompt])
+        n = prompt
+        for _ in range(3):  # both decode; the second waits, densely
+            n += 1
+            a.output_ids.append(5)
+            b.output_ids.append(5)
+            assert step([1, 1], [n, n])[1] == 0
+    assert a.state.slot == 0 and b.state is None and b.sfi is cfg and b.sfi_waiting
+    assert sum("slots are busy" in r.getMessage() for r in caplog.records) == 1
+
+    g.rows.remove(0)  # the first request finished: its slot frees at the next step's plan
+    modes, lens = [], []
+    for _ in range(cfg.obs_window + 3):
+        n += 1
+        b.output_ids.append(5)
+        modes.append(step([0, 1], [0, n])[1])
+        lens.append(n)
+        if len(modes) == 1:
+            st = b.state
+            assert st is not None and st.slot == 0 and st.kv_len == n and not b.sfi_waiting
+        if modes[-1] == 1:  # a sparse read only once a selection filled the compact buffer
+            assert bool((g.cpos[:, 0] >= 0).any())
+        if len(modes) == cfg.obs_window + 1:  # the slow step: its refresh covers the ring's rows
+            assert (st.refresh_lo, st.refresh_hi) == (n - cfg.obs_window, n)
+            assert all(p in st.ring_pos for p in range(n - cfg.obs_window, n))
+    assert modes[: cfg.obs_window] == [0] * cfg.obs_window  # dense while the ring fills
+    assert modes[cfg.obs_window] == 2  # then slow: it selects over those rows
+    assert st.k_eff == cfg.k and modes[cfg.obs_window + 1] in (1, 2) and st.kv_len == lens[-1]
+    assert int((g.cpos[0, 0, 0] >= 0).sum()) == cfg.sinks + cfg.k  # the selection filled the slot
+    assert g.telemetry(st)["sfi_late_dense_steps"] == cfg.obs_window
+    assert "sfi_short_dense_steps" not in g.telemetry(st)
+
+    c = RowRequest(prompt_ids=list(range(prompt)), output_ids=[], sfi=cfg, evict=object())
+    g.rows.rows[0] = c  # the slot is busy: an evicting request gives SFI up
+    step([prompt, 1], [prompt, n + 1])
+    assert c.sfi is None and c.state is None and not c.sfi_waiting

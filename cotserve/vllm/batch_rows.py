@@ -46,6 +46,7 @@ class RowRequest:
     steer: Any = None  # the native steering policy object when the request asked for it
     prefill_len: int = 0  # tokens its prefill computes (the prompt; after a preemption, also the output so far)
     slot: int = -1  # SFI state slot (`sfi_runtime.SFIRuntime`), assigned by the backend
+    sfi_waiting: bool = False  # asked for SFI when every slot was busy: it decodes densely until one frees
     state: Any = None  # the backend's per-request state
     evict_state: Any = None  # the eviction runtime's per-request state
 

@@ -31,6 +31,7 @@ from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState, padded, to_device
 from cotserve.policies.sfi.state import ring_size, sfi_telemetry
 from cotserve.vllm.batch_rows import BatchRows, RowRequest
+from cotserve.vllm.compat import host_lens
 from cotserve.vllm.step_clock import StepClock, step_counters
 from cotserve.vllm.telemetry import allocator_counters, telemetry_on, write_telemetry
 
@@ -138,12 +139,12 @@ class GraphSFI(PagedSFI):
             if req is None or req.sfi is None:
                 continue
             st = req.state
+            tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
             if st is None:
-                st = self._admit(req)
+                st = self._admit(req, cm, i, ntok)
                 if st is None:
                     continue
             any_sfi = True
-            tok, ntok = qsl[i], qsl[i + 1] - qsl[i]
             if ntok == 0:
                 continue
             est = req.evict_state if req.evict is not None and evict is not None else None
@@ -165,11 +166,16 @@ class GraphSFI(PagedSFI):
                 continue
             pos = new_len - 1
             ws = max(0, phys - st.cfg.recent)
-            if phys <= st.cfg.sinks + st.cfg.k + st.cfg.recent:
-                # too short to skip anything (a fast step would read as many entries): a dense step,
-                # no refresh; the query row still goes to the ring for the first selection
+            if phys <= st.cfg.sinks + st.cfg.k + st.cfg.recent or st.catch_up:
+                # too short to skip anything (a fast step would read as many entries), or admitted
+                # late with too few query rows in its ring to select: a dense step, no refresh; the
+                # query row still goes to the ring for the first selection
                 st.steps += 1
-                st.short_steps += 1
+                if st.catch_up:
+                    st.catch_up -= 1
+                    st.late_steps += 1
+                else:
+                    st.short_steps += 1
                 st.short = True
                 st.retained_sum += 1.0
                 nwrite = self._ring_entry(whost, (tok, st.slot, pos % w), nwrite)
@@ -179,7 +185,7 @@ class GraphSFI(PagedSFI):
             seq_prev = req.output_ids[-2] if len(req.output_ids) >= 2 else (
                 req.prompt_ids[-1] if req.prompt_ids else -1)
             slow = st.trigger.step(st.steps, seq_prev in self.boundaries)
-            if st.short and st.short_steps:  # the first step past that length selects
+            if st.short and (st.short_steps or st.late_steps):  # the first step past those selects
                 slow = True
                 st.trigger.reset(st.steps)
             st.short = False
@@ -250,7 +256,12 @@ class GraphSFI(PagedSFI):
         kept = est.pos.shape[-1]
         return est.pos[:, :, ws].to(torch.int32) if ws < kept else est.tail_start + ws - kept
 
-    def _admit(self, req: RowRequest) -> SlotState | None:
+    def _admit(self, req: RowRequest, cm=None, row: int = 0, ntok: int = 0) -> SlotState | None:
+        """A slot for the request in batch row `row` (`ntok` tokens this step), or None (it decodes
+        densely this step). A request that found every slot busy waits, dense, and takes the next
+        slot that frees (an evicting one decodes densely to its end); taken after its prompt began,
+        its state starts at its current length and its first `obs_window` decode steps stay dense,
+        filling the ring, before the first selection."""
         cfg: SFIConfig = req.sfi
         if not self.slots:  # an engine that serves no SFI (a plain vLLM with prefix caching on)
             if not self._no_slots_warned:
@@ -266,13 +277,22 @@ class GraphSFI(PagedSFI):
             req.sfi = None
             return None
         if not self.free:
-            log.warning("sfi: all %d SFI slots are busy; this request decodes densely "
-                        "(raise COTSERVE_VLLM_SFI_SLOTS)", self.slots)
-            req.sfi = None
+            if req.evict is not None:  # its eviction's terms start with its prompt: dense to its end
+                log.warning("sfi: all %d SFI slots are busy; this evicting request decodes densely", self.slots)
+                req.sfi = None
+            elif not req.sfi_waiting:
+                log.warning("sfi: all %d SFI slots are busy; this request decodes densely until one frees "
+                            "(COTSERVE_VLLM_SFI_SLOTS sets their number)", self.slots)
+                req.sfi_waiting = True
             return None
         self._warm(cfg, self.free[0])
         slot = self.free.pop(0)
         st = SlotState.start(cfg, len(req.prompt_ids), slot=slot)
+        if req.sfi_waiting and cm is not None:  # late: the entries it already has, from the host's lengths
+            st.kv_len = int(host_lens(cm)[row]) - ntok
+            if st.kv_len >= st.prompt_len:
+                st.catch_up = max(1, cfg.obs_window)
+            req.sfi_waiting = False
         self.cpos[:, slot].fill_(-1)
         req.state = st
         return st
