@@ -56,6 +56,7 @@ class GraphSFI(PagedSFI):
         self.any_sfi = False
         self.warmed_up = False
         self._no_slots_warned = False
+        self._busy_warned = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
         self.step_clock: StepClock | None = None  # set by the step's plan while the telemetry is on
         if slots and self.device.type == "cuda":
@@ -281,8 +282,10 @@ class GraphSFI(PagedSFI):
                 log.warning("sfi: all %d SFI slots are busy; this evicting request decodes densely", self.slots)
                 req.sfi = None
             elif not req.sfi_waiting:
-                log.warning("sfi: all %d SFI slots are busy; this request decodes densely until one frees "
-                            "(COTSERVE_VLLM_SFI_SLOTS sets their number)", self.slots)
+                if not self._busy_warned:  # a normal state where slots are sized by memory: said once
+                    log.warning("sfi: all %d SFI slots are busy; a request that finds none decodes densely "
+                                "until one frees (COTSERVE_VLLM_SFI_SLOTS sets their number)", self.slots)
+                    self._busy_warned = True
                 req.sfi_waiting = True
             return None
         self._warm(cfg, self.free[0])
