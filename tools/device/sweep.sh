@@ -96,7 +96,7 @@ flush() { # one short request after a pause: the runtime writes what waits for a
   sleep 3; curl -s -m 60 localhost:8200/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}' > /dev/null 2>&1; sleep 1; }
 pack() { unpoll; curl -s localhost:8200/metrics 2>/dev/null | grep -E '^cotserve_' | grep -vE '_created|_bucket' > $D/cotserve-metrics.txt
-  cp $R/*-server.log $D/ 2>/dev/null; for f in $D/*-server.log; do [ -f "$f" ] && grep -E "Model loading took|KV cache|Maximum concurrency|reserv|async|max_num_batched|prefix|ERROR|Error|Traceback" "$f" | head -60 > "${f%.log}-startup.txt"; done
+  cp $R/*-server.log $D/ 2>/dev/null; for f in $D/*-server.log; do [ -f "$f" ] && grep -E "Model loading took|KV cache|Maximum concurrency|reserv|sfi: |async|max_num_batched|prefix|ERROR|Error|Traceback" "$f" | head -60 > "${f%.log}-startup.txt"; done
   cp /root/run/*.jsonl $D/ 2>/dev/null; tar -C $R -czf "$OUT/$PHASE.tgz" "$PHASE"; echo "== $PHASE done after $(( $(date +%s) - T0 )) s"; }
 COT="python3 -m cotserve.cli serve --engine vllm --model $M --served-model-name m --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8200"
 stock() { # WORKLOADS
