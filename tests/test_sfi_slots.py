@@ -79,7 +79,7 @@ def test_kv_memory_is_unknown_where_the_reservation_takes_nothing_from_it_and_ne
     assert gpu_memory.kv_memory(NS(), torch.device("cuda", 0)) is None  # an unfamiliar config
 
 
-def test_the_cuda_runtime_made_at_model_load_sizes_its_slots_by_memory(monkeypatch):
+def test_the_cuda_runtime_made_at_model_load_sizes_its_slots_by_memory(monkeypatch, caplog):
     """`cuda_backend._runtime` (here on CPU tensors, with vLLM's layers and memory reading stood in
     for: no GPU) makes the slots the rule gives at model load, and max_num_seqs when the builders
     make it later (the memory is then not known)."""
@@ -100,8 +100,33 @@ def test_the_cuda_runtime_made_at_model_load_sizes_its_slots_by_memory(monkeypat
     proc = runtimes()
     monkeypatch.setattr(proc, "graph_sfi", None)
     try:
-        assert cuda_backend._runtime(cfg, torch.device("cpu"), at_load=True).slots == 3
+        with caplog.at_level("INFO", logger="cotserve.vllm.cuda_backend"):
+            assert cuda_backend._runtime(cfg, torch.device("cpu"), at_load=True).slots == 3
+        assert any("3 slots, not 16" in r.getMessage() for r in caplog.records)
         proc.graph_sfi = None
         assert cuda_backend._runtime(cfg, torch.device("cpu")).slots == 16
+        proc.graph_sfi = None  # no room for one slot: none, and a warning says SFI decodes densely
+        monkeypatch.setattr(gpu_memory, "kv_memory", lambda cfg, dev: 8 * fixed)
+        with caplog.at_level("WARNING", logger="cotserve.vllm.cuda_backend"):
+            assert cuda_backend._runtime(cfg, torch.device("cpu"), at_load=True).slots == 0
+        assert any(r.levelname == "WARNING" and "decode densely" in r.getMessage() for r in caplog.records)
     finally:
         proc.graph_sfi = None
+
+
+def test_kv_memory_is_the_share_of_the_card_less_what_the_model_holds(monkeypatch):
+    """The CUDA arithmetic, with the card's memory readings stood in for (no GPU here): utilization x
+    total memory less what is allocated while the model loads; nothing across several ranks."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7 * GiB)
+    cfg = NS(cache_config=NS(kv_cache_memory_bytes=None, gpu_memory_utilization=0.9))
+    assert gpu_memory.kv_memory(cfg, torch.device("cuda", 0)) == int(0.9 * 80 * GiB) - 7 * GiB
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 79 * GiB)
+    assert gpu_memory.kv_memory(cfg, torch.device("cuda", 0)) == 0  # never negative
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert gpu_memory.kv_memory(cfg, torch.device("cuda", 0)) is None  # ranks would disagree
+
+
+def test_the_fixed_part_with_eviction_is_the_larger_working_reservation(monkeypatch):
+    assert gpu_memory.sfi_fixed_bytes(torch.bfloat16, evict=True) > gpu_memory.sfi_fixed_bytes(torch.bfloat16)

@@ -563,12 +563,95 @@ def test_a_request_that_found_every_slot_busy_takes_the_next_one_that_frees(capl
             assert all(p in st.ring_pos for p in range(n - cfg.obs_window, n))
     assert modes[: cfg.obs_window] == [0] * cfg.obs_window  # dense while the ring fills
     assert modes[cfg.obs_window] == 2  # then slow: it selects over those rows
-    assert st.k_eff == cfg.k and modes[cfg.obs_window + 1] in (1, 2) and st.kv_len == lens[-1]
+    assert st.k_eff == cfg.k and modes[cfg.obs_window + 1] == 1 and st.kv_len == lens[-1]
     assert int((g.cpos[0, 0, 0] >= 0).sum()) == cfg.sinks + cfg.k  # the selection filled the slot
-    assert g.telemetry(st)["sfi_late_dense_steps"] == cfg.obs_window
-    assert "sfi_short_dense_steps" not in g.telemetry(st)
+    tele = g.telemetry(st)
+    assert tele["sfi_catch_up_dense_steps"] == cfg.obs_window and "sfi_short_dense_steps" not in tele
+    assert tele["sfi_wait_dense_steps"] == 3  # the three decode steps it waited for the slot, dense
+    assert tele["sfi_steps"] == 3 + len(modes)
 
     c = RowRequest(prompt_ids=list(range(prompt)), output_ids=[], sfi=cfg, evict=object())
     g.rows.rows[0] = c  # the slot is busy: an evicting request gives SFI up
     step([prompt, 1], [prompt, n + 1])
     assert c.sfi is None and c.state is None and not c.sfi_waiting
+
+
+def _one_slot_engine(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(NB, HKV, BS, 2 * D, generator=gen) for _ in range(L)]
+    g = GraphSFI([SimpleNamespace(kv_cache=c) for c in caches], HQ, HKV, D, 0.25, torch.float32,
+                 torch.device("cpu"), slots=1, max_rows=4, max_k=32, rows=BatchRows())
+    blocks = torch.stack([torch.randperm(NB, generator=gen)[:8] for _ in range(2)]).to(torch.int32)
+
+    def step(ntoks: list[int], lens: list[int]) -> list[int]:
+        qsl = torch.tensor([0, *torch.tensor(ntoks).cumsum(0).tolist()])
+        cm = SimpleNamespace(num_reqs=len(ntoks), query_start_loc_cpu=qsl, block_table_tensor=blocks[: len(ntoks)],
+                             seq_lens=torch.tensor(lens, dtype=torch.int32))
+        g.refresh_due(cm, BS)
+        g.step(cm, BS)
+        return [int(m) for m in g.row_mode[: len(ntoks)]]
+
+    return g, step
+
+
+def _never_sparse_before_a_selection(g, modes_of_row: list[int]) -> None:
+    if modes_of_row[-1] == 1:
+        assert bool((g.cpos[:, 0] >= 0).any()), "a sparse read over an empty compact buffer"
+
+
+@pytest.mark.parametrize("left", [3, 40])
+def test_a_late_request_in_its_prompt_bootstraps_only_with_enough_prompt_rows(left):
+    """A request that gets the slot while its prompt is still being computed in chunks: with at
+    least `prefill_window` prompt rows still to come it bootstraps at the prompt's end as usual;
+    with fewer (`left` = 3) it skips the bootstrap and catches up in its decode steps. Either way
+    no step reads sparsely before a selection."""
+    from cotserve.vllm.batch_rows import RowRequest
+
+    g, step = _one_slot_engine(12)
+    cfg = SFIConfig(k=24, recent=16, sinks=4, obs_window=8, prefill_window=16, dense_heads=0)
+    prompt = 100
+    a = RowRequest(prompt_ids=list(range(60)), output_ids=[], sfi=cfg)
+    b = RowRequest(prompt_ids=list(range(prompt)), output_ids=[], sfi=cfg)
+    g.rows.rows[0], g.rows.rows[1] = a, b
+    first = prompt - left
+    step([60, first], [60, first])  # b's first chunk: no slot
+    assert b.state is None and b.sfi_waiting
+    g.rows.remove(0)
+    modes = [step([0, left], [0, prompt])[1]]  # its last chunk: the slot is free now
+    st = b.state
+    assert st is not None and st.kv_len == prompt
+    assert (st.refresh_n > 0) == (left >= cfg.prefill_window)  # the bootstrap, only with enough rows
+    n = prompt
+    for _ in range(cfg.obs_window + 3):
+        n += 1
+        b.output_ids.append(5)
+        modes.append(step([0, 1], [0, n])[1])
+        _never_sparse_before_a_selection(g, modes)
+    assert 1 in modes and st.k_eff == cfg.k
+    if left < cfg.prefill_window:
+        assert modes[1 : 1 + cfg.obs_window] == [0] * cfg.obs_window and modes[1 + cfg.obs_window] == 2
+
+
+def test_a_request_recomputed_after_a_preemption_is_planned_as_a_prefill():
+    """After a preemption vLLM computes the prompt and the output so far again (`prefill_len`): those
+    chunks are prefill for SFI (the bootstrap at their end), never a decode step with a stale or empty
+    compact buffer; a row of several tokens past the prefill is dense and refills the ring."""
+    from cotserve.vllm.batch_rows import RowRequest
+
+    g, step = _one_slot_engine(13)
+    cfg = SFIConfig(k=24, recent=16, sinks=4, obs_window=8, dense_heads=0)
+    req = RowRequest(prompt_ids=list(range(60)), output_ids=[5] * 30, sfi=cfg, prefill_len=90)
+    g.rows.rows[0] = req
+    modes = [step([50], [50])[0], step([40], [90])[0]]  # the recompute, in two chunks
+    st = req.state
+    assert st.prompt_len == 90 and modes == [0, 0] and st.refresh_n == 90  # prefill, then the bootstrap
+    n = 90
+    for _ in range(3):
+        n += 1
+        req.output_ids.append(5)
+        modes.append(step([1], [n])[0])
+        _never_sparse_before_a_selection(g, modes)
+    assert modes[-1] == 1
+    n += 3
+    modes.append(step([3], [n])[0])  # several tokens past the prefill: dense, and the ring refills
+    assert modes[-1] == 0 and st.catch_up == cfg.obs_window - 1

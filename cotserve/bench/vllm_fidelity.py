@@ -125,6 +125,10 @@ def run_vllm_fidelity_bench(policies: list[str], context: int, steps: int, batch
                                   scheduler_cls="cotserve.vllm.scheduler.EvictingScheduler", async_scheduling=False)
     if torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"
+        from cotserve.vllm.settings import variable
+
+        # every request holds a slot from its first token (compared with the native policy's steps)
+        os.environ.setdefault(variable("sfi_slots"), str(max(1, batch)))
     llm = compat.LLM(**kwargs)
     texts, source = long_prompts_with_source(llm.get_tokenizer(), context + steps, batch, data_dir,
                                              random_tokens=random_tokens)

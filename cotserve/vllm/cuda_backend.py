@@ -61,13 +61,17 @@ def _runtime(vllm_config, device, at_load: bool = False) -> GraphSFI:
         max_k = given if given is not None else option_default(SFIOptions, "k")
         per_slot = slot_bytes(len(ordered), first.num_heads, first.num_kv_heads, first.head_size, mc.dtype, max_k)
         kv_memory = gpu_memory.kv_memory(vllm_config, device) if at_load else None
-        slots = gpu_memory.sfi_slots(sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching),
-                                     gpu_memory.started_by_cotserve(vllm_config), per_slot=per_slot,
-                                     fixed=gpu_memory.sfi_fixed_bytes(mc.dtype), kv_memory=kv_memory)
-        if kv_memory is not None and slots < min(sc.max_num_seqs, 64) and settings().sfi_slots is None:
-            log.info("sfi: %d slots, not %d: SFI's buffers (%.2f GiB a slot) take at most an eighth of the "
-                     "%.1f GiB the KV cache would get; COTSERVE_VLLM_SFI_SLOTS sets the number", slots,
-                     min(sc.max_num_seqs, 64), per_slot / 2**30, kv_memory / 2**30)
+        terms = (sc.max_num_seqs, bool(vllm_config.cache_config.enable_prefix_caching),
+                 gpu_memory.started_by_cotserve(vllm_config))
+        evicts = "EvictingScheduler" in str(getattr(sc, "scheduler_cls", None) or "")
+        slots = gpu_memory.sfi_slots(*terms, per_slot=per_slot, fixed=gpu_memory.sfi_fixed_bytes(mc.dtype, evicts),
+                                     kv_memory=kv_memory)
+        unsized = gpu_memory.sfi_slots(*terms)
+        if slots < unsized:  # the memory rule lowered the number
+            (log.warning if slots == 0 else log.info)(
+                "sfi: %d slots, not %d: SFI's buffers (%.2f GiB a slot) take at most an eighth of the %.1f GiB "
+                "the KV cache would get%s; COTSERVE_VLLM_SFI_SLOTS sets the number", slots, unsized,
+                per_slot / 2**30, kv_memory / 2**30, " (SFI requests decode densely)" if slots == 0 else "")
         max_k = max_k if slots else 0
         from cotserve.vllm.runtime_builders import model_tokenizer
 

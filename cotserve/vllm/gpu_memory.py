@@ -70,12 +70,13 @@ def sfi_slots(max_num_seqs: int, prefix_caching: bool, by_cotserve: bool, per_sl
     return n
 
 
-def sfi_fixed_bytes(dtype: torch.dtype) -> int:
+def sfi_fixed_bytes(dtype: torch.dtype, evict: bool = False) -> int:
     """What an engine with SFI slots reserves whatever their number: the refreshes' logits buffer
-    (`PagedSFI.reserve_logits`) and their working tensors (`scratch_bytes`)."""
+    (`PagedSFI.reserve_logits`) and the working tensors (`scratch_bytes`, the eviction's when the
+    engine evicts too)."""
     from cotserve.policies.sfi.paged import REFRESH_FLOATS
 
-    return 4 * (REFRESH_FLOATS + REFRESH_FLOATS // 16) + scratch_bytes(dtype, sfi=True, evict=False)
+    return 4 * (REFRESH_FLOATS + REFRESH_FLOATS // 16) + scratch_bytes(dtype, sfi=True, evict=evict)
 
 
 def kv_memory(vllm_config, device: torch.device) -> int | None:
@@ -83,13 +84,17 @@ def kv_memory(vllm_config, device: torch.device) -> int | None:
     while the model loads: `gpu_memory_utilization` x the device's memory less what is allocated now
     (the model's weights; the profile run's peak comes later and is not counted). None where the
     reservation takes nothing from the KV cache (`kv_cache_memory_bytes` given: vLLM then sizes the
-    cache to it whatever the model holds) or where it cannot be read; the slots are then not sized
-    by memory."""
+    cache to it whatever the model holds), where it cannot be read, and across several GPUs (each
+    rank would read its own memory, and the ranks must agree on the slots); the slots are then not
+    sized by memory."""
     try:
         cc = vllm_config.cache_config
         if getattr(cc, "kv_cache_memory_bytes", None):
             return None
         if device.type != "cuda":
+            return None
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
             return None
         total = torch.cuda.mem_get_info(device)[1]
         return max(0, int(cc.gpu_memory_utilization * total) - torch.cuda.memory_allocated(device))

@@ -159,34 +159,37 @@ class GraphSFI(PagedSFI):
                     entry = (tok + p - (new_len - ntok), st.slot, p % w)
                     nwrite = self._ring_entry(whost, entry, nwrite)
                     st.ring_pos[p % w] = p
-                if new_len == st.prompt_len and phys > st.cfg.sinks + st.cfg.k + st.cfg.recent:
+                if new_len == st.prompt_len and phys > st.cfg.sinks + st.cfg.k + st.cfg.recent and not st.catch_up:
                     # the bootstrap: the prompt's last prefill_window rows (a shorter prompt decodes
-                    # densely until its context is long enough to skip entries, then selects)
+                    # densely until its context is long enough to skip entries, then selects; one
+                    # admitted too late in its prompt for those rows catches up in its decode steps)
                     st.refresh_n, st.refresh_lo, st.refresh_hi = phys, new_len - st.cfg.prefill_window, new_len
                     self._refresh_terms(st, est, evict, cm, i, phys)
                 continue
             pos = new_len - 1
             ws = max(0, phys - st.cfg.recent)
+            if ntok > 1:  # several new tokens past the prompt (not a decode step): its compact buffer is stale
+                st.catch_up = max(st.catch_up, st.cfg.obs_window, 1)
             if phys <= st.cfg.sinks + st.cfg.k + st.cfg.recent or st.catch_up:
-                # too short to skip anything (a fast step would read as many entries), or admitted
-                # late with too few query rows in its ring to select: a dense step, no refresh; the
+                # too short to skip anything (a fast step would read as many entries), or too few
+                # query rows in its ring to select (admitted late): a dense step, no refresh; the
                 # query row still goes to the ring for the first selection
                 st.steps += 1
                 if st.catch_up:
                     st.catch_up -= 1
-                    st.late_steps += 1
+                    st.catch_up_steps += 1
                 else:
                     st.short_steps += 1
                 st.short = True
                 st.retained_sum += 1.0
-                nwrite = self._ring_entry(whost, (tok, st.slot, pos % w), nwrite)
+                nwrite = self._ring_entry(whost, (tok + ntok - 1, st.slot, pos % w), nwrite)
                 st.ring_pos[pos % w] = pos
                 self._row(host, i, (0, st.slot, tok, ws, phys))
                 continue
             seq_prev = req.output_ids[-2] if len(req.output_ids) >= 2 else (
                 req.prompt_ids[-1] if req.prompt_ids else -1)
             slow = st.trigger.step(st.steps, seq_prev in self.boundaries)
-            if st.short and (st.short_steps or st.late_steps):  # the first step past those selects
+            if st.short and (st.short_steps or st.catch_up_steps):  # the first step past those selects
                 slow = True
                 st.trigger.reset(st.steps)
             st.short = False
@@ -290,11 +293,15 @@ class GraphSFI(PagedSFI):
             return None
         self._warm(cfg, self.free[0])
         slot = self.free.pop(0)
-        st = SlotState.start(cfg, len(req.prompt_ids), slot=slot)
+        # its prefill: the prompt, and after a preemption the output it recomputes with it
+        st = SlotState.start(cfg, max(len(req.prompt_ids), req.prefill_len), slot=slot)
         if req.sfi_waiting and cm is not None:  # late: the entries it already has, from the host's lengths
             st.kv_len = int(host_lens(cm)[row]) - ntok
-            if st.kv_len >= st.prompt_len:
+            if st.prompt_len - st.kv_len < cfg.prefill_window:  # too few prompt rows left for the bootstrap
                 st.catch_up = max(1, cfg.obs_window)
+            # its decode steps so far ran densely: counted as such
+            st.wait_steps = max(0, st.kv_len - st.prompt_len)
+            st.steps, st.retained_sum = st.wait_steps, float(st.wait_steps)
             req.sfi_waiting = False
         self.cpos[:, slot].fill_(-1)
         req.state = st

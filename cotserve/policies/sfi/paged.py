@@ -85,15 +85,18 @@ class SlotState(SFIRequestState):
     refresh_hi: int = 0  # (0: refresh_n; they differ once an eviction policy compacted the cache)
     short_steps: int = 0  # decode steps taken densely while the context was too short to skip anything
     short: bool = True  # the last step was such a step (the first one past the length is slow)
-    catch_up: int = 0  # admitted after its prompt: dense steps left that fill the ring before it selects
-    late_steps: int = 0  # decode steps taken densely after a late admission, filling the ring
+    catch_up: int = 0  # dense steps left that fill the ring before it selects (admitted late, or a stale buffer)
+    catch_up_steps: int = 0  # decode steps taken densely while the ring filled so
+    wait_steps: int = 0  # decode steps taken densely before a slot was free (admitted late)
 
     def telemetry(self) -> dict[str, float | int]:
         out = super().telemetry()
         if self.short_steps:
             out["sfi_short_dense_steps"] = self.short_steps
-        if self.late_steps:
-            out["sfi_late_dense_steps"] = self.late_steps
+        if self.catch_up_steps:
+            out["sfi_catch_up_dense_steps"] = self.catch_up_steps
+        if self.wait_steps:
+            out["sfi_wait_dense_steps"] = self.wait_steps
         return out
 
 
