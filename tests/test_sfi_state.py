@@ -19,7 +19,8 @@ def test_both_forms_extend_the_one_state():
     own = {f.name for f in fields(SeqState)} - SHARED
     assert own == {"ring", "ck", "cv", "cpos", "evidence", "read_acc"}
     assert {f.name for f in fields(SlotState)} - SHARED == {"slot", "refresh_n", "refresh_lo", "refresh_hi",
-                                                            "short_steps", "short"}
+                                                            "short_steps", "short", "catch_up", "catch_up_steps",
+                                                            "wait_steps"}
 
 
 def test_start_takes_the_trigger_and_the_ring_from_the_options():
@@ -44,5 +45,8 @@ def test_the_telemetry_is_the_same_for_both_forms():
     assert sfi_telemetry(a) == sfi_telemetry(b) == want
     b.short_steps = 5  # the paged form's own count
     assert list(sfi_telemetry(b)) == [*want, "sfi_short_dense_steps"] and sfi_telemetry(b)["sfi_short_dense_steps"] == 5
+    b.catch_up_steps, b.wait_steps = 8, 3  # a late admission's dense steps
+    assert {k: sfi_telemetry(b)[k] for k in ("sfi_catch_up_dense_steps", "sfi_wait_dense_steps")} == {
+        "sfi_catch_up_dense_steps": 8, "sfi_wait_dense_steps": 3}
     empty = SeqState.start(cfg, 10).telemetry()
     assert empty["sfi_slow_step_ratio"] == 0.0 and empty["sfi_retained_ratio"] == 1.0
