@@ -516,24 +516,12 @@ def test_a_request_that_found_every_slot_busy_takes_the_next_one_that_frees(capl
     finds no slot decodes densely to its end, as before."""
     from cotserve.vllm.batch_rows import RowRequest
 
-    gen = torch.Generator().manual_seed(11)
-    caches = [torch.randn(NB, HKV, BS, 2 * D, generator=gen) for _ in range(L)]
-    g = GraphSFI([SimpleNamespace(kv_cache=c) for c in caches], HQ, HKV, D, 0.25, torch.float32,
-                 torch.device("cpu"), slots=1, max_rows=4, max_k=32, rows=BatchRows())
+    g, step = _one_slot_engine(11)
     cfg = SFIConfig(k=24, recent=16, sinks=4, obs_window=8, dense_heads=0)
     prompt = 60  # past sinks + k + recent (44): the first request bootstraps at its prompt's end
     a = RowRequest(prompt_ids=list(range(prompt)), output_ids=[], sfi=cfg)
     b = RowRequest(prompt_ids=list(range(prompt)), output_ids=[], sfi=cfg)
     g.rows.rows[0], g.rows.rows[1] = a, b
-    blocks = torch.stack([torch.randperm(NB, generator=gen)[:8] for _ in range(2)]).to(torch.int32)
-
-    def step(ntoks: list[int], lens: list[int]):
-        qsl = torch.tensor([0, *torch.tensor(ntoks).cumsum(0).tolist()])
-        cm = SimpleNamespace(num_reqs=2, query_start_loc_cpu=qsl, block_table_tensor=blocks,
-                             seq_lens=torch.tensor(lens, dtype=torch.int32))
-        g.refresh_due(cm, BS)
-        g.step(cm, BS)
-        return int(g.row_mode[0]), int(g.row_mode[1])
 
     with caplog.at_level("WARNING", logger="cotserve.vllm.graph_sfi"):
         step([prompt, prompt], [prompt, prompt])
@@ -556,8 +544,7 @@ def test_a_request_that_found_every_slot_busy_takes_the_next_one_that_frees(capl
         if len(modes) == 1:
             st = b.state
             assert st is not None and st.slot == 0 and st.kv_len == n and not b.sfi_waiting
-        if modes[-1] == 1:  # a sparse read only once a selection filled the compact buffer
-            assert bool((g.cpos[:, 0] >= 0).any())
+        _never_sparse_before_a_selection(g, modes)
         if len(modes) == cfg.obs_window + 1:  # the slow step: its refresh covers the ring's rows
             assert (st.refresh_lo, st.refresh_hi) == (n - cfg.obs_window, n)
             assert all(p in st.ring_pos for p in range(n - cfg.obs_window, n))
@@ -595,6 +582,7 @@ def _one_slot_engine(seed: int):
 
 
 def _never_sparse_before_a_selection(g, modes_of_row: list[int]) -> None:
+    """A sparse read (mode 1) only once a selection filled the one slot's compact buffer."""
     if modes_of_row[-1] == 1:
         assert bool((g.cpos[:, 0] >= 0).any()), "a sparse read over an empty compact buffer"
 

@@ -127,11 +127,12 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     text = replay_setup(replay, kwargs, dummy, data_dir)
     if plugin:
         kwargs["hf_overrides"] = hf_overrides(folder)  # cotserve's model classes
+    sfi_slots = None
     if plugin and torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"
         # a slot for every request of the largest batch from its first token, whatever the card's memory
         # (the default sizes the slots by memory: a request beyond them would decode densely at first)
-        os.environ.setdefault(variable("sfi_slots"), str(max(batches)))
+        sfi_slots = os.environ.setdefault(variable("sfi_slots"), str(max(batches)))
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
@@ -175,7 +176,7 @@ def run_vllm_decode_bench(policies: list[str], contexts: list[int], batches: lis
     return {"bench": "decode", "engine": "vllm", "plugin": plugin, "model": model, "vllm": compat.version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "policy_opt": opts, "startup_s": round(startup, 1), "rows": rows,
-            "sfi_slots": os.environ.get(variable("sfi_slots")) if plugin and torch.cuda.is_available() else None,
+            "sfi_slots": sfi_slots,
             "replay": text.describe() if text is not None else None,
             "method": "decode tok/s = tokens generated after every request has its first token / time from "
                       "then to the last token; prefix caching off; max_num_batched_tokens 65536"}

@@ -30,8 +30,8 @@ WARM=${WARM:-1}
 POLICIES=${POLICIES:-"dense sfi"}  # cotserve's policies, in the order they run on each workload
 SKIP_STOCK=${SKIP_STOCK:-0}  # 1: auto runs cotserve alone (SFI against cotserve dense only, when a lease is short)
 # auto: all four workloads, each with the seconds its run needs at most (warm-up and load generator start-up
-# included; an H100 takes longer than an H200: 127 s against ~100 s for stock at 32,000); a run that would
-# not end before the call's limit waits for the next call
+# included; an H100 takes longer than an H200: stock at 32,000 took 127 s in all on an H100, its load alone 75 s
+# on an H200); a run that would not end before the call's limit waits for the next call
 # (IN:OUT:RANGE:PROMPTS:CONCURRENCY:SEED:SECONDS; the 32,000-token prompts take seed 1, so that they do not begin
 # with the 16,000-token ones, which a prefix cache would serve)
 ALL=${ALL:-"32000:1024:0.5:32:16:1:145 16000:1024:0.5:32:16::90 256:6144:0.75:48:32::150 512:8192:0.5:48:32::200"}
