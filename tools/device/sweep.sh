@@ -17,6 +17,8 @@
 # 1,536 or 12,288 output tokens, tens of seconds each, and the servers are already warm then).
 # After each phase on cotserve, one short request after a 3-s pause lets the runtime write the last
 # request's telemetry line and the step clock's idle-gap line (cotserve/vllm/step_clock.py).
+# The load generator runs in forks of bench_zygote.py, which imports vLLM's CLI once per machine (ZYGOTE=0: the
+# CLI itself every run, ~29 s of import each on an H200).
 # Everything a phase writes goes into $OUT/PHASE.tgz (one file: a call returns at most 8).
 set -u
 E=$(cd "$(dirname "$0")" && pwd)
@@ -68,19 +70,30 @@ sys.exit(0 if j.get('failed') == 0 and j.get('completed') == j.get('num_prompts'
 alive() { [ -f $R/$1.pid ] && curl -sf -m 10 "localhost:$2$3" >/dev/null 2>&1; }  # NAME PORT PATH: its server answers
 warmups() { # KEY: $WARM the first time a server or policy runs, 0 after
   if [ -f "$R/warmed-$1" ]; then echo 0; else touch "$R/warmed-$1"; echo "$WARM"; fi; }
+# vLLM's CLI imported once per machine (bench_zygote.py beside this script or in tools/device/; kept between
+# calls like the servers): a run starts in well under a second, not after the ~29 s of the CLI's import
+Z=$E/bench_zygote.py; [ -f "$Z" ] || Z=$PWD/tools/device/bench_zygote.py
+zygote() { [ "${ZYGOTE:-1}" = 1 ] && [ -f "$Z" ] && [ -d /root/vsite ] || return 0
+  kill -0 "$(cat $R/zygote.sock.pid 2>/dev/null)" 2>/dev/null && return 0
+  setsid python3 "$Z" serve $R/zygote.sock >> $R/zygote.log 2>&1 < /dev/null & }
+vllm_cli() { # LIMIT OUTFILE ARGS...: `vllm ARGS...` in the zygote, or (none answers: 75) the CLI itself
+  local lim=$1 out=$2 rc=75; shift 2
+  [ "${ZYGOTE:-1}" = 1 ] && [ -f "$Z" ] && { python3 "$Z" run $R/zygote.sock "$out" "$lim" -- "$@"; rc=$?; }
+  [ $rc -ne 75 ] && return $rc
+  timeout "$lim" python3 -m vllm.entrypoints.cli.main "$@" > "$out" 2>&1; }
 bench() { # name port in out range prompts conc seed server_args [extra-body]  ($NW: warm-ups, $NEED: seconds it needs)
   # returns 0 when the run is measured (now or before), 1 when it is still to do
   local t0 lim; t0=$(date +%s); lim=$(( $(left) - RESERVE ))
   measured "$1" && { echo "== $1 already measured"; return 0; }
   [ "$lim" -lt "${NEED:-30}" ] && { echo "== $1 skipped: $lim s left, it needs ${NEED:-30}"; return 1; }
   local nw=${NW:-$WARM}; [ -n "${WKEY:-}" ] && nw=$(warmups "$WKEY")
-  timeout "$lim" python3 -m vllm.entrypoints.cli.main bench serve --backend openai-chat --base-url "http://127.0.0.1:$2" \
+  vllm_cli "$lim" "$D/$1.bench.txt" bench serve --backend openai-chat --base-url "http://127.0.0.1:$2" \
     --endpoint /v1/chat/completions --model m --tokenizer $M --dataset-name random --random-input-len "$3" \
     --random-output-len "$4" --random-range-ratio "{\"input\": 0.0, \"output\": $5}" --num-prompts "$6" \
     --max-concurrency "$7" --ignore-eos --temperature 1.0 --seed "$8" --num-warmups "$nw" \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$D" \
     --result-filename "$1.json" --metadata "gpu_memory_utilization=$GPU" "max_num_seqs=$SEQS" "max_model_len=$MAXLEN" \
-    "server=${1%%-*}" "server_args=$9" ${10:+--extra-body "${10}"} > "$D/$1.bench.txt" 2>&1
+    "server=${1%%-*}" "server_args=$9" ${10:+--extra-body "${10}"}
   echo "== $1 rc=$? $(( $(date +%s) - t0 )) s"
   grep -E "Successful|Failed|Benchmark duration|Output token throughput|Median TTFT|Median TPOT|Median ITL" "$D/$1.bench.txt"
   measured "$1" && return 0
@@ -97,12 +110,13 @@ flush() { # one short request after a pause: the runtime writes what waits for a
     -d '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}' > /dev/null 2>&1; sleep 1; }
 pack() { unpoll; curl -s localhost:8200/metrics 2>/dev/null | grep -E '^cotserve_' | grep -vE '_created|_bucket' > $D/cotserve-metrics.txt
   cp $R/*-server.log $D/ 2>/dev/null; for f in $D/*-server.log; do [ -f "$f" ] && grep -E "Model loading took|KV cache|Maximum concurrency|reserv|sfi: |async|max_num_batched|prefix|ERROR|Error|Traceback" "$f" | head -60 > "${f%.log}-startup.txt"; done
-  cp /root/run/*.jsonl $D/ 2>/dev/null; tar -C $R -czf "$OUT/$PHASE.tgz" "$PHASE"; echo "== $PHASE done after $(( $(date +%s) - T0 )) s"; }
+  cp /root/run/*.jsonl $R/zygote.log $D/ 2>/dev/null; tar -C $R -czf "$OUT/$PHASE.tgz" "$PHASE"; echo "== $PHASE done after $(( $(date +%s) - T0 )) s"; }
 COT="python3 -m cotserve.cli serve --engine vllm --model $M --served-model-name m --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8200"
 stock() { # WORKLOADS
   local w i o r n c s need miss=0
   for w in $1; do IFS=: read -r i o r n c s need <<< "$w"; WKEY=stock NEED=${need:-30} bench "stock-dense-$i-$o${s:+-s$s}" 8100 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "" \
     || miss=1; done; return $miss; }
+zygote
 case $PHASE in
   stock1) setup
     [ "${CUDA_TESTS:-1}" = 1 ] && PYTHONPATH=/root/vsite:/root/xsite:$PWD timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider \
