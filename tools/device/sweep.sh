@@ -116,8 +116,8 @@ stock() { # WORKLOADS
   local w i o r n c s need miss=0
   for w in $1; do IFS=: read -r i o r n c s need <<< "$w"; WKEY=stock NEED=${need:-30} bench "stock-dense-$i-$o${s:+-s$s}" 8100 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "" \
     || miss=1; done; return $miss; }
-bytecode() { # once per machine: vLLM's bytecode written ahead (setup.sh unpacks sources only; every process that
-  # imports vLLM there took ~30 s), the time and PYTHONDONTWRITEBYTECODE logged
+bytecode() { # once per machine: vLLM's bytecode written ahead (setup.sh unpacks sources only; the load generator's
+  # import of vLLM took 29-33 s there), the time and PYTHONDONTWRITEBYTECODE logged
   [ -d /root/vsite ] && [ ! -f /root/vsite/.compiled ] || return 0
   local t=$(date +%s); python3 -m compileall -q -j 0 /root/vsite /root/xsite > $R/compileall.log 2>&1
   touch /root/vsite/.compiled
