@@ -110,12 +110,7 @@ def test_limit_killed_client_bad_arguments_and_no_zygote(zygote, silent, tmp_pat
     assert time.monotonic() - t0 < 60 and not (tmp_path / "hang.json").exists()
 
     # a client killed during its run (its call ended): the run is stopped and the next one served at once
-    client = subprocess.Popen([sys.executable, str(ZYGOTE), "run", str(sock), str(tmp_path / "orphan.txt"), "600",
-                               "--", *bench_args(silent, tmp_path, "orphan.json", prompts=1)])
-    deadline = time.monotonic() + 60
-    while "Sampling input_len" not in _text(tmp_path / "orphan.txt"):  # the run is under way
-        assert time.monotonic() < deadline and client.poll() is None
-        time.sleep(0.2)
+    client = hanging_run(sock, silent, tmp_path, "orphan")
     client.kill()
     client.wait()
     t0 = time.monotonic()
@@ -135,20 +130,20 @@ def test_a_zygote_that_dies_ends_its_clients_wait(silent, tmp_path):
 
     sock, log, proc = start_zygote(tmp_path)
     try:
-        client = subprocess.Popen([sys.executable, str(ZYGOTE), "run", str(sock), str(tmp_path / "run.txt"), "600",
-                                   "--", *bench_args(silent, tmp_path, "run.json", prompts=1)])
-        deadline = time.monotonic() + 60
-        while "Sampling input_len" not in _text(tmp_path / "run.txt"):  # the run is under way
-            assert time.monotonic() < deadline and client.poll() is None
-            time.sleep(0.2)
+        client = hanging_run(sock, silent, tmp_path, "run")
         os.kill(proc.pid, 9)  # the zygote alone: its fork, in a group of its own, goes on
         assert client.wait(timeout=30) == 1
     finally:
         end_process_group(proc)
 
 
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return ""
+def hanging_run(sock: Path, silent: str, tmp_path: Path, name: str) -> subprocess.Popen:
+    """A client whose run (limit 600 s) waits on the silent server, returned once the run is under way."""
+    out = tmp_path / f"{name}.txt"
+    client = subprocess.Popen([sys.executable, str(ZYGOTE), "run", str(sock), str(out), "600", "--",
+                               *bench_args(silent, tmp_path, f"{name}.json", prompts=1)])
+    deadline = time.monotonic() + 60
+    while not (out.exists() and "Sampling input_len" in out.read_text()):
+        assert time.monotonic() < deadline and client.poll() is None
+        time.sleep(0.2)
+    return client

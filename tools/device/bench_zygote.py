@@ -13,6 +13,7 @@ event loop, seeds, tokenizer and output), started in well under a second.
       (exit 124; the seconds spent waiting for a zygote still importing count); exits with the
       command's code, or 75 when no zygote answers (the caller then runs the CLI itself)
 
+A run waits at most $ZYGOTE_WAIT_S (120) or a quarter of its limit for a zygote still importing.
 A run whose client goes away (a call killed) is stopped at once; a fork keeps neither the socket
 nor the client's connection, so a zygote that dies ends its clients' waits (exit 1).
 
