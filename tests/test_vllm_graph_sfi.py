@@ -391,15 +391,18 @@ def test_a_context_too_short_to_skip_decodes_densely_then_selects(setup):
     step(prompt, prompt)  # the prompt in one chunk: too short for a bootstrap selection
     st = req.state
     assert st.refresh_n == 0 and int(g.row_mode[0]) == 0
-    modes = []
+    modes, kinds = [], []
     for n in range(prompt + 1, limit + 3):
         req.output_ids.append(5)
         fa = step(1, n)
         modes.append(int(g.row_mode[0]))
+        kinds.append((g.step_refreshes, g.step_slow))  # what the step clock is told
         if n <= limit:
             assert int(fa[0]) == n and st.refresh_n == 0  # dense: the whole history, nothing refreshed
     assert modes[: limit - prompt] == [0] * (limit - prompt)
     assert modes[limit - prompt] == 2  # the first step past the length: slow, it selects
+    assert kinds[: limit - prompt] == [(0, 0)] * (limit - prompt) and kinds[limit - prompt] == (0, 1)
+    assert kinds[limit - prompt + 1][0] == 1  # its refresh ran before the next step
     # the selection ran at the next step's build, over the ring's rows of the dense steps; then SFI reads sparsely
     assert modes[limit - prompt + 1] in (1, 2) and st.k_eff == cfg.k and st.refresh_lo == limit + 1 - cfg.obs_window
     assert st.short_steps == limit - prompt and g.telemetry(st)["sfi_short_dense_steps"] == limit - prompt

@@ -21,10 +21,11 @@ tested against it on random inputs (on the CPU through TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from cotserve.kernels.sfi_launch import FastLaunch, fast_launch
 
 try:
     import triton
@@ -207,29 +208,17 @@ if HAVE_TRITON:
                      o.to(Out.dtype.element_ty), mask=gmask[:, None])
 
 
-def default_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per (row, KV head). $COTSERVE_SFI_SPLITS: `auto` (the default) asks for about two
-    programs per multiprocessor, at most 16, so that a small batch still fills the GPU (one
-    program per (row, KV head) reads its ~2,300 entries one block after another, latency-bound);
-    a number fixes it (1 = the single-pass kernel)."""
-    env = os.environ.get("COTSERVE_SFI_SPLITS", "auto")
-    if device.type != "cuda":
-        return 1
-    if env != "auto":
-        return max(1, int(env))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    work = rows * kv_heads
-    return 1 if work >= 2 * sms else min(16, max(2, -(-2 * sms // work)))
-
-
 def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok,
-                   row_ws, row_len, scale: float, rows: int | None = None, block_n: int = 64,
-                   splits: int | None = None, row_cws: torch.Tensor | None = None) -> torch.Tensor:
+                   row_ws, row_len, scale: float, rows: int | None = None, block_n: int | None = None,
+                   splits: int | None = None, row_cws: torch.Tensor | None = None,
+                   launch: FastLaunch | None = None) -> torch.Tensor:
     """The Triton kernel over `rows` batch rows (default: all of row_mode). Same contract as the
     reference (`row_cws` [rows, Hkv] int32, or None: the window start is every head's cutoff).
     key_cache/value_cache may be strided views; the last dim must be contiguous.
     `splits` > 1 spreads each (row, KV head) over that many programs (split-K: compact chunks and
-    the window) and combines their partial softmaxes in a second launch; default `default_splits`."""
+    the window) and combines their partial softmaxes in a second launch. The launch (splits, entries a
+    block, warps, stages) is `launch`, else `sfi_launch.fast_launch` for the batch size; `splits` and
+    `block_n`, when given, replace its own."""
     if not HAVE_TRITON:
         return sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode,
                                         row_slot, row_tok, row_ws, row_len, scale, row_cws)
@@ -243,13 +232,16 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
               cpos.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
               value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale))
     cws = (row_ws, row_ws.stride(0), 0) if row_cws is None else (row_cws, row_cws.stride(0), row_cws.stride(1))
-    ns = default_splits(rows, hkv, q.device) if splits is None else splits
+    launch = launch or fast_launch(rows, hkv, q.device)
+    ns = launch.splits if splits is None else splits
+    block_n = launch.block_n if block_n is None else block_n
+    opts = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
     if ns <= 1:
         _sfi_fast_kernel[(rows, hkv)](
             q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len,
             *cws,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-            C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
+            C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n, **opts)
         return out
     chunk = -(-c // (ns - 1) // block_n) * block_n  # compact entries per split, whole blocks
     pm = torch.empty(rows, hkv, ns, gp, dtype=torch.float32, device=q.device)
@@ -258,7 +250,7 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     _sfi_fast_split_kernel[(rows, hkv, ns)](
         q, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len, *cws,
         pm, pl, pacc, q.stride(0), q.stride(1), *common,
-        C=c, CHUNK=chunk, NS=ns, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n)
+        C=c, CHUNK=chunk, NS=ns, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n, **opts)
     _sfi_combine_kernel[(rows, hkv)](out, row_mode, row_tok, pm, pl, pacc, out.stride(0), out.stride(1),
                                      NS=ns, G=g, GP=gp, D=d)
     return out

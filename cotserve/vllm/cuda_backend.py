@@ -119,6 +119,9 @@ class CUDASFIStage:
     def plan(self, cm, block_size: int, evict):
         return compat.metadata_with(cm, seq_lens=self.sfi.step(cm, block_size, self.head_size, evict=evict))
 
+    def step_kinds(self) -> tuple[int, int]:
+        return self.sfi.step_refreshes, self.sfi.step_slow
+
 
 class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):

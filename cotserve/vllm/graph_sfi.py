@@ -58,6 +58,7 @@ class GraphSFI(PagedSFI):
         self._no_slots_warned = False
         self._busy_warned = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
+        self.step_refreshes = self.step_slow = 0  # the last step's refreshes run and slow rows (step clock)
         self.step_clock: StepClock | None = None  # set by the step's plan while the telemetry is on
         if slots and self.device.type == "cuda":
             self.reserve_logits()  # made at model load: counted in vLLM's budget, never allocated in a step
@@ -67,9 +68,9 @@ class GraphSFI(PagedSFI):
     def warm_up(self, li: int, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, block_table: torch.Tensor) -> None:
         """Compile SFI's kernels while the engine starts, before it serves: the refresh kernels for the
-        paper's default options (`_warm`) and the fast step's kernel for every split count a batch of
-        1 .. max_rows rows can ask for (`default_splits`; the captured batch sizes compile only their
-        own, and an eager step of another size would compile inside a request). Run once, on a step
+        paper's default options (`_warm`) and the fast step's kernel for every launch a batch of
+        1 .. max_rows rows can ask for (`sfi_launch.fast_launch`; the captured batch sizes compile only
+        their own, and an eager step of another size would compile inside a request). Run once, on a step
         that is not being captured (its launches would be in the graph), with the step's own cache and
         block table, on one row of mode 0 into scratch outputs: nothing a request reads is written."""
         if self.warmed_up:
@@ -77,15 +78,17 @@ class GraphSFI(PagedSFI):
         self.warmed_up = True
         if self.slots == 0:
             return
-        from cotserve.kernels.sfi_paged import default_splits, sfi_paged_fast
+        from cotserve.kernels.sfi_launch import fast_launch
+        from cotserve.kernels.sfi_paged import sfi_paged_fast
 
         self._warm(SFIConfig(), self.free[0] if self.free else 0)
         mode = torch.zeros_like(self.row_mode[:1])
         q1, o1 = torch.zeros_like(q[:1]), torch.empty_like(out[:1])
-        for ns in sorted({default_splits(r, self.hkv, self.device) for r in range(1, self.max_rows + 1)}):
+        launches = {fast_launch(r, self.hkv, self.device) for r in range(1, self.max_rows + 1)}
+        for launch in sorted(launches):
             sfi_paged_fast(q1, o1, self.ck[li], self.cv[li], self.cpos[li], key_cache, value_cache, block_table[:1],
                            mode, self.row_slot[:1], self.row_tok[:1], self.row_ws[:1], self.row_len[:1], self.scale,
-                           rows=1, splits=ns, row_cws=self.row_cws[li][:1])
+                           rows=1, launch=launch, row_cws=self.row_cws[li][:1])
 
     # -- per step, outside the graph -----------------------------------------------------------
     def refresh_due(self, cm, block_size: int) -> None:
@@ -100,6 +103,7 @@ class GraphSFI(PagedSFI):
                 due.append((st, st.refresh_blocks if st.refresh_blocks is not None else cm.block_table_tensor[i]))
         self.refresh_all(due, block_size)
         self.refreshes += len(due)
+        self.step_refreshes = len(due)
         dt = time.perf_counter() - t0
         self.refresh_host_s += dt
         self.host_s += dt
@@ -117,6 +121,7 @@ class GraphSFI(PagedSFI):
     def _step(self, cm, block_size: int, evict=None) -> torch.Tensor:
         for gone in self.rows.take_released():
             self._release(gone)
+        self.step_slow = 0
         n_reqs = cm.num_reqs
         if not self.any_sfi and not any(r.sfi is not None for r in self.rows.rows.values()):
             # no SFI request in this step nor the last: the row tensors already say "all dense" (and
@@ -200,6 +205,7 @@ class GraphSFI(PagedSFI):
             st.ring_pos[pos % w] = pos
             self._row(host, i, (2 if slow else 1, st.slot, tok, ws, phys))
             if slow:
+                self.step_slow += 1
                 st.slow_steps += 1
                 st.retained_sum += 1.0
                 st.refresh_n, st.refresh_lo, st.refresh_hi = phys, new_len - st.cfg.obs_window, new_len

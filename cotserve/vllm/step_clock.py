@@ -1,5 +1,7 @@
 """Where a served run's time goes, by kind of engine step: steps that carry prompt tokens (a prefill
-chunk, with or without decoding rows beside it) and decode-only steps.
+chunk, with or without decoding rows beside it) and decode-only steps; of the decode-only steps,
+those that ran SFI refreshes before their forward (`decode_refresh_*`) and, of the rest, those with
+an SFI slow row (`decode_slow_*`), as the step's plan tells them (`note`; the CUDA backend's).
 
 Kept only while $COTSERVE_VLLM_TELEMETRY is set. On CUDA each step's plan records an event on the
 step's stream, so the time between two consecutive events is the GPU time of the first one's step
@@ -36,7 +38,11 @@ class StepClock:
     prompt_s: float = 0.0
     decode_s: float = 0.0
     idle_gaps: int = 0
-    _open: deque = field(default_factory=deque)  # (mark, carries prompt tokens) not yet timed
+    refresh_steps: int = 0  # decode-only steps that ran refreshes (a subset of decode_steps)
+    refresh_s: float = 0.0
+    slow_steps: int = 0  # decode-only steps with a slow row and no refresh (a subset of decode_steps)
+    slow_s: float = 0.0
+    _open: deque = field(default_factory=deque)  # [mark, carries prompt tokens, kind] not yet timed
 
     def mark(self, cm: Any) -> None:
         """Step `cm` (vLLM's common attention metadata) starts: close the previous step's interval."""
@@ -45,18 +51,23 @@ class StepClock:
                 return
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self._open.append((ev, int(cm.max_query_len) > 1))
+            self._open.append([ev, int(cm.max_query_len) > 1, ""])
             while len(self._open) >= 2 and self._open[1][0].query():
-                start, prompt = self._open.popleft()
-                self._add(start.elapsed_time(self._open[0][0]) / 1000.0, prompt)
+                start, prompt, kind = self._open.popleft()
+                self._add(start.elapsed_time(self._open[0][0]) / 1000.0, prompt, kind)
         else:
             now = self.clock()
-            self._open.append((now, int(cm.max_query_len) > 1))
+            self._open.append([now, int(cm.max_query_len) > 1, ""])
             if len(self._open) >= 2:
-                start, prompt = self._open.popleft()
-                self._add(now - start, prompt)
+                start, prompt, kind = self._open.popleft()
+                self._add(now - start, prompt, kind)
 
-    def _add(self, seconds: float, prompt: bool) -> None:
+    def note(self, refreshes: int, slow_rows: int) -> None:
+        """What the step marked last did beside its forward: refreshes run before it, slow rows in it."""
+        if self._open:
+            self._open[-1][2] = "refresh" if refreshes else "slow" if slow_rows else ""
+
+    def _add(self, seconds: float, prompt: bool, kind: str = "") -> None:
         if seconds > self.idle_s:
             self.idle_gaps += 1
             if self.on_idle is not None:
@@ -68,12 +79,20 @@ class StepClock:
         else:
             self.decode_steps += 1
             self.decode_s += seconds
+            if kind == "refresh":
+                self.refresh_steps += 1
+                self.refresh_s += seconds
+            elif kind == "slow":
+                self.slow_steps += 1
+                self.slow_s += seconds
 
     def counters(self) -> dict:
         """The counters so far (cumulative since the process started)."""
         return {"prompt_steps": self.prompt_steps, "prompt_steps_s": round(self.prompt_s, 4),
                 "decode_steps": self.decode_steps, "decode_steps_s": round(self.decode_s, 4),
-                "idle_gaps": self.idle_gaps}
+                "idle_gaps": self.idle_gaps, "decode_refresh_steps": self.refresh_steps,
+                "decode_refresh_steps_s": round(self.refresh_s, 4), "decode_slow_steps": self.slow_steps,
+                "decode_slow_steps_s": round(self.slow_s, 4)}
 
 
 def step_counters(clock: StepClock | None) -> dict:

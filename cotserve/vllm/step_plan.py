@@ -33,6 +33,9 @@ class SFIStage(Protocol):
         """Step 4: the step's SFI plan on `cm` (after `evict`'s plan, or None); returns the
         metadata vLLM's builder gets."""
 
+    def step_kinds(self) -> tuple[int, int]:
+        """For the step clock: (refreshes run before this step, slow rows in it)."""
+
 
 def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: Any, evict_paged: Any) -> Any:
     """Steps 1-4 for one step's common attention metadata `cm`; returns the metadata to build."""
@@ -51,4 +54,7 @@ def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: 
     sfi.before_compaction(cm, block_size)
     if evict is not None:
         cm = evict.plan(proc.rows, cm, block_size, compat.layer_caches(evict.layers), evict_paged, proc.hidden.buf)
-    return sfi.plan(cm, block_size, evict)
+    cm = sfi.plan(cm, block_size, evict)
+    if proc.step_clock is not None and telemetry_on():
+        proc.step_clock.note(*sfi.step_kinds())
+    return cm
