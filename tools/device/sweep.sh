@@ -18,7 +18,8 @@
 # After each phase on cotserve, one short request after a 3-s pause lets the runtime write the last
 # request's telemetry line and the step clock's idle-gap line (cotserve/vllm/step_clock.py).
 # The load generator runs in forks of bench_zygote.py, which imports vLLM's CLI once per machine (ZYGOTE=0: the
-# CLI itself every run, ~29 s of import each on an H200).
+# CLI itself every run, ~29 s of import each on an H200), with vLLM's plugins off (a client: the cotserve
+# plugin, installed by setup while the zygote imports, has nothing to do there).
 # Everything a phase writes goes into $OUT/PHASE.tgz (one file: a call returns at most 8).
 set -u
 E=$(cd "$(dirname "$0")" && pwd)
@@ -76,14 +77,14 @@ Z=$E/bench_zygote.py; [ -f "$Z" ] || Z=$PWD/tools/device/bench_zygote.py
 ZYGOTE=${ZYGOTE:-1}
 zygote() { [ "$ZYGOTE" = 1 ] && [ -f "$Z" ] && [ -d /root/vsite ] || { ZYGOTE=0; return 0; }
   grep -qs bench_zygote "/proc/$(cat $R/zygote.sock.pid 2>/dev/null)/cmdline" && return 0
-  setsid python3 "$Z" serve $R/zygote.sock >> $R/zygote.log 2>&1 < /dev/null & }
+  VLLM_PLUGINS=none setsid python3 "$Z" serve $R/zygote.sock >> $R/zygote.log 2>&1 < /dev/null & }
 vllm_cli() { # LIMIT OUTFILE ARGS...: `vllm ARGS...` in the zygote, or (none answers: 75) the CLI itself
   local lim=$1 out=$2 rc=75; shift 2
   [ "$ZYGOTE" = 1 ] && { python3 "$Z" run $R/zygote.sock "$out" "$lim" -- "$@"; rc=$?; }
   [ $rc -ne 75 ] && return $rc
   [ "$ZYGOTE" = 1 ] && { echo "== no zygote answers: vLLM's CLI itself from now on"; ZYGOTE=0; }
   lim=$(( $(left) - RESERVE )); [ "$lim" -ge 30 ] || return 1  # the wait for it counts against the call
-  timeout "$lim" python3 -m vllm.entrypoints.cli.main "$@" > "$out" 2>&1; }
+  VLLM_PLUGINS=none timeout "$lim" python3 -m vllm.entrypoints.cli.main "$@" > "$out" 2>&1; }
 bench() { # name port in out range prompts conc seed server_args [extra-body]  ($NW: warm-ups, $NEED: seconds it needs)
   # returns 0 when the run is measured (now or before), 1 when it is still to do
   local t0 lim; t0=$(date +%s); lim=$(( $(left) - RESERVE ))
