@@ -16,7 +16,8 @@ process holds:
 * `scratch` and `reserved`: the working tensors' GPU reservation made at model load and what was
   reserved there, by purpose (`gpu_memory`);
 * `step_clock`: the engine steps' time by kind (`step_clock.StepClock`), kept only while the
-  telemetry is on.
+  telemetry is on; `step_profile`: the on-demand profiler of the engine's steps
+  (`step_profile.StepProfiler`), made while $COTSERVE_VLLM_PROFILE_DIR is set.
 
 Builders fill the runtime fields on first need (`runtime_builders`, `cuda_backend`); until then they
 are None. `reset()` empties the object in place (the same instance), for tests.
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from cotserve.vllm.sfi_access import SFIAccess
     from cotserve.vllm.steer_runtime import SteerBuffers, SteerRuntime
     from cotserve.vllm.step_clock import StepClock
+    from cotserve.vllm.step_profile import StepProfiler
 
 
 @dataclass
@@ -54,6 +56,7 @@ class ProcessRuntimes:
     scratch: torch.Tensor | None = None
     reserved: dict[str, int] = field(default_factory=dict)  # bytes reserved at model load, by purpose
     step_clock: StepClock | None = None
+    step_profile: StepProfiler | None = None  # while $COTSERVE_VLLM_PROFILE_DIR is set
 
 
 _RUNTIMES = ProcessRuntimes()

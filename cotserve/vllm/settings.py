@@ -31,6 +31,7 @@ class PluginSettings:
     telemetry: str | None = None  # a file: one JSON line per finished SFI, evicting or steered request
     sched_stats: str | None = None  # a file: one line per scheduler step
     evict_trace: str | None = None  # a file: the kept entries' true positions per compaction
+    profile_dir: str | None = None  # a directory: a `trigger` file there profiles the next steps (`step_profile`)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:

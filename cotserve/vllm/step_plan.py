@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
+
 from cotserve.vllm import compat, runtime_builders
 from cotserve.vllm.process import runtimes
 from cotserve.vllm.step_clock import StepClock
+from cotserve.vllm.step_profile import StepProfiler, profile_dir
 from cotserve.vllm.telemetry import telemetry_on, write_telemetry
 
 
@@ -40,6 +43,8 @@ class SFIStage(Protocol):
 def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: Any, evict_paged: Any) -> Any:
     """Steps 1-4 for one step's common attention metadata `cm`; returns the metadata to build."""
     proc = runtimes()
+    if proc.step_profile is not None or profile_dir():
+        _profile_tick(proc, cm)
     if telemetry_on():
         if proc.step_clock is None:
             proc.step_clock = StepClock(device=cm.seq_lens.device,
@@ -58,3 +63,14 @@ def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: 
     if proc.step_clock is not None and telemetry_on():
         proc.step_clock.note(*sfi.step_kinds())
     return cm
+
+
+def _profile_tick(proc: Any, cm: Any) -> None:
+    """The step profiler's tick (made at the first step with $COTSERVE_VLLM_PROFILE_DIR set); a graph
+    capture is not a step."""
+    device = cm.seq_lens.device
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    if proc.step_profile is None:
+        proc.step_profile = StepProfiler(profile_dir(), device)
+    proc.step_profile.tick()

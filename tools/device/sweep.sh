@@ -7,6 +7,8 @@
 #   stock2  dense on $W2 on the same server, stop it, start `cotserve serve --engine vllm`
 #   cot1    dense and sfi on $C1 on that server
 #   cot2    dense and sfi on $C2, then stop it
+#   profile with cotserve up, an SFI run whose engine steps are profiled for a while (`profiled`; auto runs it
+#           after the measured runs, before cotserve stops, with PROFILE=1)
 #   auto    all of it in order, as far as one call's time goes, and again in the next call until it prints
 #           "all measured": setup, start stock, $ALL on stock, stop it, start cotserve, $ALL with dense and
 #           sfi, stop it. A run whose JSON shows every request completed is not repeated; a server that
@@ -24,7 +26,7 @@
 set -u
 E=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/root/vsite:/root/xsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-M=/root/m4b; R=/root/run; mkdir -p $R
+M=/root/m4b; R=/root/run; mkdir -p $R $R/prof
 W1=${W1:-"16000:1024:0.5:32:16 32000:1024:0.5:32:16:1"}
 W2=${W2:-"256:6144:0.75:48:32 512:8192:0.5:48:32"}
 C1=${C1:-"$W1 256:6144:0.75:48:32"}; C2=${C2:-"512:8192:0.5:48:32"}
@@ -126,6 +128,14 @@ bytecode() { # once per machine: vLLM's bytecode written ahead (setup.sh unpacks
   local t=$(date +%s); python3 -m compileall -q -j 0 /root/vsite > $R/compileall.log 2>&1
   touch /root/vsite/.compiled
   echo "== bytecode compiled in $(( $(date +%s) - t )) s (PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset})"; }
+profiled() { # an SFI run of $PW whose engine steps are profiled: $PSTEPS (300) steps from $PDELAY (8) s after it
+  # starts (past its first prompts); cotserve/vllm/step_profile.py writes the trace and the table, copied into $D
+  local i o r n c s need
+  IFS=: read -r i o r n c s need <<< "${PW:-16000:1024:0.5:16:16::60}"
+  ( sleep "${PDELAY:-8}"; echo "${PSTEPS:-300}" > $R/prof/trigger ) &
+  NW=0 NEED=${need:-30} bench "profile-sfi-$i-$o" 8200 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "" '{"cotserve": {"policy": "sfi"}}'
+  for k in $(seq 1 60); do ls $R/prof/steps-*.txt >/dev/null 2>&1 && break; sleep 1; done
+  cp $R/prof/steps-* $D/ 2>/dev/null; head -1 $D/steps-*.txt 2>/dev/null; }
 bytecode; zygote
 case $PHASE in
   stock1) setup
@@ -137,7 +147,7 @@ case $PHASE in
       --max-model-len $MAXLEN --max-num-seqs $SEQS --gpu-memory-utilization $GPU --port 8100 || { pack; exit 1; }
     poll 8100; stock "$W1"; pack ;;
   stock2) poll 8100; stock "$W2"; stop stock
-    start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl $COT || { pack; exit 1; }
+    start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl COTSERVE_VLLM_PROFILE_DIR=$R/prof $COT || { pack; exit 1; }
     pack ;;
   cot1) poll 8200; cot "$C1" "$POLICIES"; flush; pack ;;
   cot2) poll 8200; cot "$C2" "$POLICIES"; flush; stop cotserve; pack ;;
@@ -152,11 +162,16 @@ case $PHASE in
     fi
     if { [ "$SKIP_STOCK" = 1 ] || [ -f $R/stock.finished ]; } && [ ! -f $R/cot.finished ]; then
       alive cotserve 8200 /ready || { stop cotserve; [ "$(left)" -ge "$START_NEED" ] || { echo "== no time to start cotserve"; pack; exit 0; }
-        start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl $COT || { pack; exit 1; }; }
+        start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl COTSERVE_VLLM_PROFILE_DIR=$R/prof $COT || { pack; exit 1; }; }
       poll 8200; cot "$ALL" "$POLICIES" && touch $R/cot.finished; flush
+      [ -f $R/cot.finished ] && [ "${PROFILE:-0}" = 1 ] && profiled  # PROFILE=1: the profiled run before the stop
       [ -f $R/cot.finished ] && stop cotserve
     fi
     [ -f $R/cot.finished ] && { [ -f $R/stock.finished ] && echo "== all measured" || echo "== cotserve measured (stock skipped)"; }
     pack ;;
-  *) echo "usage: sweep.sh stock1|stock2|cot1|cot2|auto"; exit 2 ;;
+  profile) # cotserve up (started if not), then profiled() below
+    alive cotserve 8200 /ready || { stop cotserve; start cotserve 8200 /ready env COTSERVE_VLLM_TELEMETRY=$R/sfi-telemetry.jsonl \
+      COTSERVE_VLLM_PROFILE_DIR=$R/prof $COT || { pack; exit 1; }; }
+    profiled; pack ;;
+  *) echo "usage: sweep.sh stock1|stock2|cot1|cot2|auto|profile"; exit 2 ;;
 esac
