@@ -1,7 +1,7 @@
 """A profile of the served engine's steps, on demand, without restarting it.
 
-With $COTSERVE_VLLM_PROFILE_DIR set, the engine looks for the file `DIR/trigger` every `CHECK_EVERY`
-steps (one `stat`). When it appears, its content (a number of steps, default `DEFAULT_STEPS`, at most
+With $COTSERVE_VLLM_PROFILE_DIR set, the engine looks for the file `DIR/trigger` at its first step and
+every `CHECK_EVERY` steps (one `stat`). When it appears, its content (a number of steps, default `DEFAULT_STEPS`, at most
 `MAX_STEPS`) says how many of the next steps torch.profiler records, host and (on CUDA) device
 activity; the trigger is removed at once. When the window closes the engine writes, under DIR:
 
@@ -57,7 +57,7 @@ class StepProfiler:
             if self.left <= 0:
                 self._finish()
             return
-        if self.failed or self.ticks % self.check_every:
+        if self.failed or (self.ticks % self.check_every and self.ticks != 1):  # the first step looks too
             return
         trigger = self.dir / "trigger"
         if trigger.exists():
