@@ -646,3 +646,41 @@ def test_a_request_recomputed_after_a_preemption_is_planned_as_a_prefill():
     n += 3
     modes.append(step([3], [n])[0])  # several tokens past the prefill: dense, and the ring refills
     assert modes[-1] == 0 and st.catch_up == cfg.obs_window - 1
+
+
+def test_a_shrinking_batch_leaves_no_fast_row_or_ring_write_behind(setup):
+    """The plan sends only the rows and ring writes this step or the last one used: a prefill's many
+    ring writes, then a batch that loses two of its fast rows, leave no write outside the scratch slot
+    and no row flagged fast beyond what the step asked for."""
+    from cotserve.vllm.batch_rows import RowRequest
+
+    gen, caches, cfg, g = setup
+    reqs = [RowRequest(prompt_ids=list(range(60)), output_ids=[], sfi=cfg) for _ in range(3)]
+    for i, r in enumerate(reqs):
+        g.rows.rows[i] = r
+    blocks = torch.stack([torch.randperm(NB, generator=gen)[:8] for _ in range(3)]).to(torch.int32)
+    lens = [60, 60, 60]
+
+    def step(rows: int, ntok: int):
+        qsl = torch.arange(rows + 1) * ntok
+        cm = SimpleNamespace(num_reqs=rows, query_start_loc_cpu=qsl, block_table_tensor=blocks[:rows],
+                             seq_lens=torch.tensor(lens[:rows], dtype=torch.int32))
+        g.refresh_due(cm, BS)
+        return g.step(cm, BS)
+
+    step(3, 60)  # the prompts: 16 ring writes each, those beyond the tensors' room eager
+    assert int((g.w_slot != g.slots).sum()) == g.nw and len(g.extra_writes) == 3 * cfg.prefill_window - g.nw
+    for _ in range(2):
+        for i in range(3):
+            reqs[i].output_ids.append(5)
+            lens[i] += 1
+        fa = step(3, 1)
+    assert g.row_mode[:3].tolist() == [1, 1, 1] and fa.tolist() == [1, 1, 1]
+    assert g.w_slot[:3].tolist() == [r.state.slot for r in reqs] and bool((g.w_slot[3:] == g.slots).all())
+    del g.rows.rows[1], g.rows.rows[2]
+    reqs[0].output_ids.append(5)
+    lens[0] += 1
+    fa = step(1, 1)
+    assert g.row_mode[:3].tolist() == [1, 0, 0] and fa.tolist() == [1]
+    assert int(g.w_slot[0]) == reqs[0].state.slot and bool((g.w_slot[1:] == g.slots).all())
+    assert int(g.row_len[0]) == lens[0] and g.row_len[1:3].tolist() == [0, 0]

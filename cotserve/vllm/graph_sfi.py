@@ -51,6 +51,8 @@ class GraphSFI(PagedSFI):
         self.rows = rows  # the process's batch rows (`process.runtimes().rows`)
         self.boundaries = sentence_end_ids(tokenizer) if tokenizer is not None else frozenset()
         self.fa_lens = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
+        self._one = torch.ones((), dtype=torch.int32, device=self.device)
+        self._rows_set = self._writes_set = 0  # rows and ring writes the last plan set (`_step`)
         self.free = list(range(slots))
         self.finished: list[SlotState] = []
         self.any_sfi = False
@@ -130,17 +132,20 @@ class GraphSFI(PagedSFI):
             fa.copy_(cm.seq_lens, non_blocking=True)
             self.extra_writes = []
             return fa
-        # fresh host tensors each step, sent through pinned memory (`to_device`): a CPU that runs
-        # ahead of the GPU (async scheduling) neither waits for it nor overwrites a pending transfer
-        # (built as lists and made tensors once: a small tensor per row costs more host time than the rest)
-        host = [[0] * self.max_rows for _ in range(5)]  # mode, slot, token, window start, length per row
-        whost = [[0] * self.nw, [self.slots] * self.nw, [0] * self.nw]  # ring writes: token, slot, ring index
+        # fresh host values each step, sent through pinned memory (`to_device`): a CPU that runs ahead of
+        # the GPU (asynchronous scheduling) neither waits for it nor overwrites a pending transfer. Only
+        # the rows this step or the last one used are sent (the others already say "dense"), and only
+        # the ring writes this step or the last one made (the others already go to the scratch slot):
+        # the host builds and converts a few dozen values, not the buffers' thousands
+        nr = min(n_reqs, self.max_rows)
+        span = max(nr, self._rows_set)
+        host = [[0] * span for _ in range(5)]  # mode, slot, token, window start, length per row
+        wcols: list[list[int]] = [[], [], []]  # ring writes: token, slot, ring index
         self.extra_writes = []
-        nwrite = 0
         any_sfi = False
         qsl = cm.query_start_loc_cpu[: n_reqs + 1].tolist() if n_reqs else [0]
         cuts: list[tuple[int, torch.Tensor | int]] = []  # compacted rows: their per-(layer, head) cutoffs
-        for i in range(min(n_reqs, self.max_rows)):
+        for i in range(nr):
             req = self.rows.rows.get(i)
             if req is None or req.sfi is None:
                 continue
@@ -162,7 +167,7 @@ class GraphSFI(PagedSFI):
                 m = min(w, ntok)
                 for p in range(new_len - m, new_len):
                     entry = (tok + p - (new_len - ntok), st.slot, p % w)
-                    nwrite = self._ring_entry(whost, entry, nwrite)
+                    self._ring_entry(wcols, entry)
                     st.ring_pos[p % w] = p
                 if new_len == st.prompt_len and phys > st.cfg.sinks + st.cfg.k + st.cfg.recent and not st.catch_up:
                     # the bootstrap: the prompt's last prefill_window rows (a shorter prompt decodes
@@ -187,7 +192,7 @@ class GraphSFI(PagedSFI):
                     st.short_steps += 1
                 st.short = True
                 st.retained_sum += 1.0
-                nwrite = self._ring_entry(whost, (tok + ntok - 1, st.slot, pos % w), nwrite)
+                self._ring_entry(wcols, (tok + ntok - 1, st.slot, pos % w))
                 st.ring_pos[pos % w] = pos
                 self._row(host, i, (0, st.slot, tok, ws, phys))
                 continue
@@ -201,7 +206,7 @@ class GraphSFI(PagedSFI):
             st.steps += 1
             if est is not None and est.pos is not None:
                 cuts.append((i, self._cutoff(est, ws, phys)))
-            nwrite = self._ring_entry(whost, (tok, st.slot, pos % w), nwrite)
+            self._ring_entry(wcols, (tok, st.slot, pos % w))
             st.ring_pos[pos % w] = pos
             self._row(host, i, (2 if slow else 1, st.slot, tok, ws, phys))
             if slow:
@@ -214,36 +219,36 @@ class GraphSFI(PagedSFI):
                 read = min(st.k_eff + min(st.cfg.sinks, phys), ws) + (phys - ws)
                 st.retained_sum += min(1.0, read / phys)
         self.any_sfi = any_sfi
-        # the row plan and the ring writes in one transfer (the GPU is never waited for), then
-        # copied on the device into the row tensors (int32) and the ring-write tensors (long)
-        r, nw = self.max_rows, self.nw
-        plan = to_device([v for col in (*host, *whost) for v in col], torch.long, self.device)
-        rows, writes = plan[: 5 * r].view(5, r), plan[5 * r :].view(3, nw)
-        for t, src in zip((self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len), rows,
-                          strict=True):
-            t.copy_(src, non_blocking=True)
-        if any_sfi:  # each head's compact cutoff: the window start, or a compacted row's true positions
-            self.row_cws.copy_(self.row_ws.view(1, -1, 1).expand_as(self.row_cws))
+        # the row plan and the ring writes in one transfer (the GPU is never waited for), copied on the
+        # device into the packed row tensors (int32) and ring writes (long): two copies
+        nwrite = len(wcols[0])
+        wspan = max(nwrite, self._writes_set)
+        pad = [0] * (wspan - nwrite)
+        scratch = [self.slots] * (wspan - nwrite)
+        flat = [*host[0], *host[1], *host[2], *host[3], *host[4], *wcols[0], *pad, *wcols[1], *scratch, *wcols[2], *pad]
+        plan = to_device(flat, torch.long, self.device)
+        if span:
+            self.rows_t[:, :span].copy_(plan[: 5 * span].view(5, span), non_blocking=True)
+        if wspan:
+            self.writes_t[:, :wspan].copy_(plan[5 * span :].view(3, wspan), non_blocking=True)
+        self._rows_set, self._writes_set = nr, nwrite
+        if any_sfi and span:  # each head's compact cutoff: the window start, or a compacted row's true positions
+            self.row_cws[:, :span].copy_(self.row_ws[:span].view(1, -1, 1).expand(self.L, span, self.hkv))
             for i, cut in cuts:
                 self.row_cws[:, i] = cut
-        self.w_tok.copy_(writes[0], non_blocking=True)
-        self.w_slot.copy_(writes[1], non_blocking=True)
-        self.w_idx.copy_(writes[2], non_blocking=True)
         lens = cm.seq_lens
         n = lens.shape[0]
         fa = self.fa_lens[:n]
-        torch.where(self.row_mode[:n] == 1, torch.ones_like(lens), lens, out=fa)
+        torch.where(self.row_mode[:n] == 1, self._one, lens, out=fa)
         return fa
 
-    def _ring_entry(self, whost: list[list[int]], entry: tuple[int, int, int], nwrite: int) -> int:
-        """One ring write of the step: into the row tensors while they have room, else eager.
-        Returns the row tensors' count."""
-        if nwrite < self.nw:
-            for col, v in zip(whost, entry, strict=True):
-                col[nwrite] = v
-            return nwrite + 1
-        self.extra_writes.append(entry)
-        return nwrite
+    def _ring_entry(self, wcols: list[list[int]], entry: tuple[int, int, int]) -> None:
+        """One ring write of the step: into the ring-write tensors while they have room, else eager."""
+        if len(wcols[0]) < self.nw:
+            for col, v in zip(wcols, entry, strict=True):
+                col.append(v)
+        else:
+            self.extra_writes.append(entry)
 
     @staticmethod
     def _row(host: list[list[int]], i: int, values: tuple[int, int, int, int, int]) -> None:

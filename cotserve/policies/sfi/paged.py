@@ -135,17 +135,15 @@ class PagedSFI:
         self.cpos = torch.full((L, sb, H, C), -1, dtype=torch.int32, device=dev)
         self.ring = torch.zeros(L, S + 1, W_MAX, num_heads, D, dtype=dtype, device=dev)
         r = max_rows
-        self.row_mode = torch.zeros(r, dtype=torch.int32, device=dev)
-        self.row_slot = torch.zeros(r, dtype=torch.int32, device=dev)
-        self.row_tok = torch.zeros(r, dtype=torch.int32, device=dev)
-        self.row_ws = torch.zeros(r, dtype=torch.int32, device=dev)
-        self.row_len = torch.zeros(r, dtype=torch.int32, device=dev)
+        # the row tensors and the step's ring writes as views of two packed buffers: one copy each per step
+        self.rows_t = torch.zeros(5, r, dtype=torch.int32, device=dev)
+        self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len = self.rows_t.unbind(0)
         self.row_cws = torch.zeros(L, r, H, dtype=torch.int32, device=dev)
         nw = r * 4  # ring writes per step: one per decode row, a few per prefill row (more go eager)
         self.nw = nw
-        self.w_tok = torch.zeros(nw, dtype=torch.long, device=dev)
-        self.w_slot = torch.full((nw,), S, dtype=torch.long, device=dev)
-        self.w_idx = torch.zeros(nw, dtype=torch.long, device=dev)
+        self.writes_t = torch.zeros(3, nw, dtype=torch.long, device=dev)
+        self.w_tok, self.w_slot, self.w_idx = self.writes_t.unbind(0)
+        self.w_slot.fill_(S)  # the scratch slot: nothing kept
         self.extra_writes: list[tuple[int, int, int]] = []  # ring writes beyond nw (eager steps only)
         self.refreshes = 0
         self._warmed: set[tuple] = set()
@@ -233,9 +231,9 @@ class PagedSFI:
             st.refresh_n = st.refresh_hi = 0
             st.refresh_pos = st.refresh_blocks = None
         dev = self.device
-        row_pos = to_device(rp, torch.long, dev)
-        ridx = to_device(idx, torch.long, dev)
-        slots = to_device([st.slot for st in states], torch.long, dev)
+        # the ring rows' positions and indices and the slots in one transfer
+        host = to_device([*rp, *idx, *(st.slot for st in states)], torch.long, dev)
+        row_pos, ridx, slots = host[:r], host[r : 2 * r], host[2 * r :]
         pos = torch.arange(n, device=dev)
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
         fused = fused_supported(cfg) and tpos is None  # the fused selector's prior reads indices as positions
@@ -250,7 +248,8 @@ class PagedSFI:
             norms = padded(j, nl, self.hkv, n, device=dev)
             paged_logits_layers(q, views, l0, blocks, n, logits, norms)  # one read of the keys, in place
             logits = logits.view(j, nl, self.hkv, self.g, r, n)
-            logits[..., : cfg.sinks] = float("-inf")
+            if not fused:  # the fused selector never reads the sinks' logits (its candidates start after them)
+                logits[..., : cfg.sinks] = float("-inf")
             if tpos is not None:  # causal, by true position
                 tp = tpos[l0 : l0 + nl].view(1, nl, self.hkv, 1, 1, n)
                 logits.masked_fill_(tp > row_pos.view(r, 1), float("-inf"))
