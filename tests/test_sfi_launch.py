@@ -93,3 +93,9 @@ def test_every_launch_matches_the_reference(launch):
     out = sp.sfi_paged_fast(q, torch.zeros_like(q), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
                             launch=launch)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_table_measured_on_another_shape_does_not_apply():
+    shape = {"kv_heads": 8, "head_dim": 128}
+    assert sl.fits(shape, 8, 128) and sl.fits(shape, 8, None) and sl.fits({}, 2, 256)
+    assert not sl.fits(shape, 2, 128) and not sl.fits(shape, 8, 256)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from cotserve.vllm import process, step_plan
+from cotserve.vllm.batch_rows import RowRequest
 from cotserve.vllm.step_profile import DEFAULT_STEPS, StepProfiler
 
 
@@ -48,6 +49,16 @@ def test_a_trigger_without_a_number_profiles_the_default_and_a_bad_directory_is_
     prof.tick()
     assert prof.steps == DEFAULT_STEPS and "not a number of steps" in caplog.text
     prof.prof.stop()  # end it here: the default window is long
+    prof.prof = None
+    gone_dir = tmp_path / "vanishing"
+    gone_dir.mkdir()
+    busy = StepProfiler(str(gone_dir), torch.device("cpu"), check_every=1)
+    (gone_dir / "trigger").write_text("2")
+    busy.tick()  # the trigger is taken and the window opens
+    gone_dir.rmdir()  # the directory goes away under it: its files cannot be written
+    for _ in range(3):
+        busy.tick()  # logged, and the steps go on
+    assert busy.failed and "step profile: failed" in caplog.text
     gone = StepProfiler(str(tmp_path / "missing" / "dir"), torch.device("cpu"), check_every=1)
     for _ in range(3):
         gone.tick()  # no trigger can exist there: nothing happens
@@ -68,7 +79,12 @@ def test_the_step_plan_ticks_the_profiler_only_while_its_directory_is_set(tmp_pa
     step_plan.plan_step(None, cm, 16, stage, None, None)
     assert proc.step_profile is None
     monkeypatch.setenv("COTSERVE_VLLM_PROFILE_DIR", str(tmp_path))
-    for _ in range(3):
+    (tmp_path / "trigger").write_text("2")
+    for _ in range(3):  # steps without requests (vLLM's start-up and capture runs) are never profiled
         step_plan.plan_step(None, cm, 16, stage, None, None)
-    assert proc.step_profile is not None and proc.step_profile.ticks == 3
+    assert proc.step_profile is not None and proc.step_profile.ticks == 0 and proc.step_profile.prof is None
+    proc.rows.add(0, RowRequest(prompt_ids=[1, 2], output_ids=[]))
+    for _ in range(4):  # the first serving step takes the trigger; two steps later the profile is written
+        step_plan.plan_step(None, cm, 16, stage, None, None)
+    assert len(list(tmp_path.glob("steps-*.txt"))) == 1 and not (tmp_path / "trigger").exists()
     process.reset()

@@ -93,6 +93,9 @@ def tune(rows_list: tuple[int, ...], shape: tuple[int, ...], deadline_s: float, 
         trial(base)
         for bn, w, st in BLOCKS:
             trial(FastLaunch(base.splits, bn, w, st))
+        if base not in seen:  # the heuristic launch itself failed or the deadline came: nothing to compare
+            launches[str(rows)] = {**base.as_dict(), "tuned": False}
+            continue
         best = min(seen, key=seen.get)
         for ns in SPLITS:
             if rows * hkv * ns <= 8 * sms:  # beyond ~8 programs a multiprocessor a split only adds a combine

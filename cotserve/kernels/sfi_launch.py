@@ -78,6 +78,7 @@ def parse_table(data: dict, source: str) -> dict[int, FastLaunch]:
 
 
 _TABLES: dict[tuple[str, str], dict[int, FastLaunch] | None] = {}
+_SHAPES: dict[int, dict] = {}  # a read table's `shape` (what it was measured on), by the table's identity
 
 
 def launch_table(device: torch.device) -> dict[int, FastLaunch] | None:
@@ -96,7 +97,14 @@ def launch_table(device: torch.device) -> dict[int, FastLaunch] | None:
                 raise ValueError(f"${ENV_TABLE}: cannot read a launch table from {path.name} "
                                  f"({type(exc).__name__})") from None
             _TABLES[key] = parse_table(data, path.name)
+            _SHAPES[id(_TABLES[key])] = data.get("shape") if isinstance(data.get("shape"), dict) else {}
     return _TABLES[key]
+
+
+def fits(shape: dict, kv_heads: int, head_dim: int | None) -> bool:
+    """Whether a table measured on `shape` applies to a model of these KV heads and head dim (a table
+    that names neither applies to any)."""
+    return shape.get("kv_heads", kv_heads) == kv_heads and (head_dim is None or shape.get("head_dim", head_dim) == head_dim)
 
 
 def pick(table: dict[int, FastLaunch], rows: int) -> FastLaunch:
@@ -108,19 +116,22 @@ def pick(table: dict[int, FastLaunch], rows: int) -> FastLaunch:
 _CHOSEN: dict[tuple, FastLaunch] = {}
 
 
-def fast_launch(rows: int, kv_heads: int, device: torch.device) -> FastLaunch:
+def fast_launch(rows: int, kv_heads: int, device: torch.device, head_dim: int | None = None) -> FastLaunch:
     """The launch for a batch of `rows` rows on `device` (CPU: the single-pass kernel); decided once
-    per batch size, device and environment (an eager step asks at every layer)."""
+    per batch size, shape, device and environment (an eager step asks at every layer). A table
+    measured for other KV heads or head dim than the model's is not used (the heuristic is)."""
     if device.type != "cuda":
         return FastLaunch()
-    key = (rows, kv_heads, device, os.environ.get(ENV_TABLE, ""), os.environ.get(ENV_SPLITS, "auto"))
+    key = (rows, kv_heads, head_dim, device, os.environ.get(ENV_TABLE, ""), os.environ.get(ENV_SPLITS, "auto"))
     if key not in _CHOSEN:
-        _CHOSEN[key] = _decide(rows, kv_heads, device)
+        _CHOSEN[key] = _decide(rows, kv_heads, head_dim, device)
     return _CHOSEN[key]
 
 
-def _decide(rows: int, kv_heads: int, device: torch.device) -> FastLaunch:
+def _decide(rows: int, kv_heads: int, head_dim: int | None, device: torch.device) -> FastLaunch:
     table = launch_table(device)
+    if table is not None and not fits(_SHAPES.get(id(table), {}), kv_heads, head_dim):
+        table = None
     if table is not None:
         launch = pick(table, rows)
     else:

@@ -232,7 +232,7 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
               cpos.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
               value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale))
     cws = (row_ws, row_ws.stride(0), 0) if row_cws is None else (row_cws, row_cws.stride(0), row_cws.stride(1))
-    launch = launch or fast_launch(rows, hkv, q.device)
+    launch = launch or fast_launch(rows, hkv, q.device, d)
     ns = launch.splits if splits is None else splits
     block_n = launch.block_n if block_n is None else block_n
     opts = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}

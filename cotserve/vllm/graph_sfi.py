@@ -86,7 +86,7 @@ class GraphSFI(PagedSFI):
         self._warm(SFIConfig(), self.free[0] if self.free else 0)
         mode = torch.zeros_like(self.row_mode[:1])
         q1, o1 = torch.zeros_like(q[:1]), torch.empty_like(out[:1])
-        launches = {fast_launch(r, self.hkv, self.device) for r in range(1, self.max_rows + 1)}
+        launches = {fast_launch(r, self.hkv, self.device, self.d) for r in range(1, self.max_rows + 1)}
         for launch in sorted(launches):
             sfi_paged_fast(q1, o1, self.ck[li], self.cv[li], self.cpos[li], key_cache, value_cache, block_table[:1],
                            mode, self.row_slot[:1], self.row_tok[:1], self.row_ws[:1], self.row_len[:1], self.scale,

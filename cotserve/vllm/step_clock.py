@@ -43,28 +43,33 @@ class StepClock:
     slow_steps: int = 0  # decode-only steps with a slow row and no refresh (a subset of decode_steps)
     slow_s: float = 0.0
     _open: deque = field(default_factory=deque)  # [mark, carries prompt tokens, kind] not yet timed
+    _marked: bool = False  # the last `mark` opened a step (not a capture's call)
 
     def mark(self, cm: Any) -> None:
         """Step `cm` (vLLM's common attention metadata) starts: close the previous step's interval."""
+        self._marked = False
         if self.device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():  # a graph capture, not a step
                 return
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self._open.append([ev, int(cm.max_query_len) > 1, ""])
+            self._marked = True
             while len(self._open) >= 2 and self._open[1][0].query():
                 start, prompt, kind = self._open.popleft()
                 self._add(start.elapsed_time(self._open[0][0]) / 1000.0, prompt, kind)
         else:
             now = self.clock()
             self._open.append([now, int(cm.max_query_len) > 1, ""])
+            self._marked = True
             if len(self._open) >= 2:
                 start, prompt, kind = self._open.popleft()
                 self._add(now - start, prompt, kind)
 
     def note(self, refreshes: int, slow_rows: int) -> None:
-        """What the step marked last did beside its forward: refreshes run before it, slow rows in it."""
-        if self._open:
+        """What the step marked last did beside its forward: refreshes run before it, slow rows in it
+        (nothing when that call was a graph capture's, not a step's)."""
+        if self._marked and self._open:
             self._open[-1][2] = "refresh" if refreshes else "slow" if slow_rows else ""
 
     def _add(self, seconds: float, prompt: bool, kind: str = "") -> None:

@@ -73,4 +73,4 @@ def _profile_tick(proc: Any, cm: Any) -> None:
         return
     if proc.step_profile is None:
         proc.step_profile = StepProfiler(profile_dir(), device)
-    proc.step_profile.tick()
+    proc.step_profile.tick(serving=bool(proc.rows.rows))

@@ -1,17 +1,18 @@
 """A profile of the served engine's steps, on demand, without restarting it.
 
-With $COTSERVE_VLLM_PROFILE_DIR set, the engine looks for the file `DIR/trigger` at its first step and
-every `CHECK_EVERY` steps (one `stat`). When it appears, its content (a number of steps, default `DEFAULT_STEPS`, at most
+With $COTSERVE_VLLM_PROFILE_DIR set, the engine looks for the file `DIR/trigger` at its first step
+that serves requests and every `CHECK_EVERY` such steps (one `stat`). When it appears, its content (a number of steps, default `DEFAULT_STEPS`, at most
 `MAX_STEPS`) says how many of the next steps torch.profiler records, host and (on CUDA) device
 activity; the trigger is removed at once. When the window closes the engine writes, under DIR:
 
-* `steps-<time>.json.gz`: the Chrome trace (chrome://tracing, Perfetto);
-* `steps-<time>.txt`: a first line of JSON (`steps`, `wall_s`: the window's host time, `device_s`:
+* `steps-<time>-<pid>.json.gz`: the Chrome trace (chrome://tracing, Perfetto);
+* `steps-<time>-<pid>.txt`: a first line of JSON (`steps`, `wall_s`: the window's host time, `device_s`:
   the summed time of the device kernels the profiler saw, `device_busy`: their ratio, which says
   whether the steps waited for the host), then the operators' table by device time and by host time.
 
 The profiler slows the steps it records; what it tells is where their time goes, not how long they
-take unprofiled. A directory that cannot be written is logged once and never stops the engine.
+take unprofiled. A failure (a directory that cannot be written, another profiler already on) is
+logged once and never stops the engine; with several workers, one takes the trigger.
 """
 
 from __future__ import annotations
@@ -37,27 +38,39 @@ MAX_STEPS = 5000
 
 
 class StepProfiler:
-    """`tick()` once per engine step (the step's plan, outside any graph capture)."""
+    """`tick(serving)` once per engine step (the step's plan, outside any graph capture); `serving`:
+    the step carries requests (vLLM's start-up and graph-capture runs do not, and are never profiled).
+    Nothing it does may stop the engine: any failure is logged once and ends the profiler."""
 
     def __init__(self, directory: str, device: torch.device, check_every: int = CHECK_EVERY):
         self.dir = Path(directory)
         self.device = device
         self.check_every = max(1, check_every)
-        self.ticks = 0
+        self.ticks = 0  # serving steps seen
         self.left = 0  # steps still to record; 0 = not recording
         self.steps = 0
         self.prof: torch.profiler.profile | None = None
         self.t0 = 0.0
         self.failed = False
 
-    def tick(self) -> None:
-        self.ticks += 1
+    def tick(self, serving: bool = True) -> None:
+        if self.failed:
+            return
+        try:
+            self._tick(serving)
+        except Exception as exc:  # a profiler already on (vLLM's own), a table that fails: never the engine's end
+            self._fail(exc)
+
+    def _tick(self, serving: bool) -> None:
         if self.prof is not None:
             self.left -= 1
             if self.left <= 0:
                 self._finish()
             return
-        if self.failed or (self.ticks % self.check_every and self.ticks != 1):  # the first step looks too
+        if not serving:
+            return
+        self.ticks += 1
+        if self.ticks % self.check_every and self.ticks != 1:  # the first serving step looks too
             return
         trigger = self.dir / "trigger"
         if trigger.exists():
@@ -67,8 +80,7 @@ class StepProfiler:
         try:
             text = trigger.read_text().strip()
             trigger.unlink()
-        except OSError as exc:
-            self._fail(exc)
+        except FileNotFoundError:  # another worker of the engine took it first
             return
         try:
             steps = int(text) if text else DEFAULT_STEPS
@@ -86,36 +98,40 @@ class StepProfiler:
         log.info("step profile: recording the next %d steps", self.steps)
 
     def _finish(self) -> None:
-        prof, self.prof = self.prof, None
+        prof = self.prof
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the window's kernels end inside it
         wall = time.perf_counter() - self.t0
         prof.stop()
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        try:
-            events = prof.key_averages()
-            device_us = sum(e.time_range.elapsed_us() for e in prof.events()
-                            if e.device_type == torch.autograd.DeviceType.CUDA)  # the kernels, once each
-            head = {"steps": self.steps, "wall_s": round(wall, 4), "device_s": round(device_us / 1e6, 4),
-                    "device_busy": round(device_us / 1e6 / wall, 4) if wall > 0 else None}
-            parts = [json.dumps(head)]
-            if self.device.type == "cuda":
-                parts.append(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
-            parts.append(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
-            raw = self.dir / f"steps-{stamp}.json"
-            prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            raw.unlink()
-            (self.dir / f"steps-{stamp}.txt").write_text("\n\n".join(parts) + "\n")
-        except OSError as exc:
-            self._fail(exc)
-            return
+        self.prof = None
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # one file per worker process
+        events = prof.key_averages()
+        device_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA)  # the kernels, once each
+        head = {"steps": self.steps, "wall_s": round(wall, 4), "device_s": round(device_us / 1e6, 4),
+                "device_busy": round(device_us / 1e6 / wall, 4) if wall > 0 else None}
+        parts = [json.dumps(head)]
+        if self.device.type == "cuda":
+            parts.append(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+        parts.append(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+        raw = self.dir / f"steps-{stamp}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+        (self.dir / f"steps-{stamp}.txt").write_text("\n\n".join(parts) + "\n")
         log.info("step profile: %d steps in %.3f s written to steps-%s.txt", self.steps, wall, stamp)
 
-    def _fail(self, exc: OSError) -> None:
+    def _fail(self, exc: Exception) -> None:
+        prof, self.prof = self.prof, None
+        if prof is not None:
+            try:
+                prof.stop()
+            except Exception:  # noqa: S110 - already failing: the engine goes on either way
+                pass
         if not self.failed:
-            log.warning("step profile: cannot use $%s (%s); the engine goes on unprofiled", _DIR, type(exc).__name__)
+            log.warning("step profile: failed (%s: %s); the engine goes on unprofiled", type(exc).__name__,
+                        str(exc)[:200])
         self.failed = True
 
 
