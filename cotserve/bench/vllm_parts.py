@@ -3,7 +3,9 @@
 * the paged fast-step kernel (`kernels.sfi_paged`) against FlashAttention-sized reads: rows x
   KV heads x (compact + window) entries, with the bytes it must move and the bandwidth reached;
 * a batched refresh (`GraphSFI.refresh`: evidence, selector, re-pack) of J requests of n entries
-  over every layer, on random caches in vLLM's FlashAttention layout.
+  over every layer, on random caches in vLLM's FlashAttention layout: its GPU time (`ms`, CUDA events)
+  and the host's time to issue it (`host_ms`; where it exceeds `ms`, the host is what a refresh waits on).
+`--refresh J N [J N ...]` times refreshes alone; `--profile [J N]` prints one refresh's kernel table.
 Needs a CUDA GPU; shapes default to Qwen3-4B's attention (36 layers, 32/8 heads, head dim 128).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -97,12 +100,16 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     reps = 3
+    todo = [states() for _ in range(reps)]
     start.record()
-    for _ in range(reps):
-        rt.refresh(states(), blocks, bs)
+    t0 = time.perf_counter()
+    for sts in todo:
+        rt.refresh(sts, blocks, bs)
+    host = time.perf_counter() - t0  # the host's time to issue them (it does not wait for the GPU)
     end.record()
     torch.cuda.synchronize()
-    return {"part": "refresh", "requests": j, "entries": n, "layers": layers, "ms": round(start.elapsed_time(end) / reps, 2)}
+    return {"part": "refresh", "requests": j, "entries": n, "layers": layers,
+            "ms": round(start.elapsed_time(end) / reps, 2), "host_ms": round(1e3 * host / reps, 3)}
 
 
 def profile_refresh(j: int = 4, n: int = 32768) -> None:
@@ -119,6 +126,11 @@ def main() -> None:
         i = sys.argv.index("--profile")
         args = [int(a) for a in sys.argv[i + 1 : i + 3]]
         profile_refresh(*args)
+        return
+    if "--refresh" in sys.argv:  # --refresh J N [J N ...]: refreshes alone
+        nums = [int(a) for a in sys.argv[sys.argv.index("--refresh") + 1 :]]
+        for j, n in zip(nums[::2], nums[1::2], strict=False):
+            print(json.dumps(time_refresh(j=j, n=n)), flush=True)
         return
     for fn, kw in [(time_kernel, {}), (time_kernel, {"rows": 8}), (time_kernel, {"rows": 4}),
                    (time_refresh, {"j": 1, "n": 8192}),
