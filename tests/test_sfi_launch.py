@@ -22,10 +22,10 @@ def _table(**rows):
 def test_pick_takes_the_largest_tuned_size_not_above_the_batch():
     table = sl.parse_table({"launches": {"4": {"splits": 9, "block_n": 64, "num_warps": 4, "num_stages": 3},
                                          "16": {"splits": 3, "block_n": 128, "num_warps": 8, "num_stages": 2}}}, "t")
-    assert sl.pick(table, 1) == sl.FastLaunch(9, 64, 4, 3)  # below every tuned size: the smallest
-    assert sl.pick(table, 15) == sl.FastLaunch(9, 64, 4, 3)
-    assert sl.pick(table, 16) == sl.FastLaunch(3, 128, 8, 2)
-    assert sl.pick(table, 512) == sl.FastLaunch(3, 128, 8, 2)
+    assert table.pick(1) == sl.FastLaunch(9, 64, 4, 3)  # below every tuned size: the smallest
+    assert table.pick(15) == sl.FastLaunch(9, 64, 4, 3)
+    assert table.pick(16) == sl.FastLaunch(3, 128, 8, 2)
+    assert table.pick(512) == sl.FastLaunch(3, 128, 8, 2)
 
 
 def test_heuristic_splits_fills_a_small_batch_and_leaves_a_large_one_whole():
@@ -50,9 +50,9 @@ def test_the_environment_table_is_read_once_and_an_unreadable_one_is_an_error(tm
     monkeypatch.setenv(sl.ENV_TABLE, str(path))
     monkeypatch.setattr(sl, "_TABLES", {})
     cpu = torch.device("cpu")
-    assert sl.launch_table(cpu) == {8: sl.FastLaunch(5, 32, 4, 4)}
+    assert sl.launch_table(cpu).launches == {8: sl.FastLaunch(5, 32, 4, 4)}
     path.write_text("not json")  # read once: later changes to the file do not move a running engine
-    assert sl.launch_table(cpu) == {8: sl.FastLaunch(5, 32, 4, 4)}
+    assert sl.launch_table(cpu).launches == {8: sl.FastLaunch(5, 32, 4, 4)}
     monkeypatch.setattr(sl, "_TABLES", {})
     with pytest.raises(ValueError, match=r"cannot read a launch table from h.json") as err:
         sl.launch_table(cpu)
@@ -96,6 +96,7 @@ def test_every_launch_matches_the_reference(launch):
 
 
 def test_a_table_measured_on_another_shape_does_not_apply():
-    shape = {"kv_heads": 8, "head_dim": 128}
-    assert sl.fits(shape, 8, 128) and sl.fits(shape, 8, None) and sl.fits({}, 2, 256)
-    assert not sl.fits(shape, 2, 128) and not sl.fits(shape, 8, 256)
+    table = sl.parse_table({"shape": {"kv_heads": 8, "head_dim": 128}, **_table(**{"8": (5, 32, 4, 4)})}, "t")
+    anyshape = sl.parse_table(_table(**{"8": (5, 32, 4, 4)}), "t")
+    assert table.fits(8, 128) and table.fits(8, None) and anyshape.fits(2, 256)
+    assert not table.fits(2, 128) and not table.fits(8, 256)

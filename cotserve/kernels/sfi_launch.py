@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,9 +63,29 @@ def device_file(name: str) -> Path:
     return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_") + ".json")
 
 
-def parse_table(data: dict, source: str) -> dict[int, FastLaunch]:
-    """`{"launches": {"16": {"splits": 3, "block_n": 64, "num_warps": 4, "num_stages": 3, ...}}}`
-    (other keys ignored) -> {rows: FastLaunch}."""
+@dataclass(frozen=True)
+class LaunchTable:
+    """A launch table: batch size -> launch, and the shape it was measured on (`kv_heads`, `head_dim`, ...;
+    empty: any)."""
+
+    launches: dict[int, FastLaunch]
+    shape: dict = field(default_factory=dict)
+
+    def fits(self, kv_heads: int, head_dim: int | None) -> bool:
+        """Whether it applies to a model of these KV heads and head dim (a table that names neither
+        applies to any)."""
+        return (self.shape.get("kv_heads", kv_heads) == kv_heads
+                and (head_dim is None or self.shape.get("head_dim", head_dim) == head_dim))
+
+    def pick(self, rows: int) -> FastLaunch:
+        """The entry of the largest tuned batch size <= rows (the smallest tuned size when none is)."""
+        below = [r for r in self.launches if r <= rows]
+        return self.launches[max(below) if below else min(self.launches)]
+
+
+def parse_table(data: dict, source: str) -> LaunchTable:
+    """`{"shape": {"kv_heads": 8, "head_dim": 128, ...}, "launches": {"16": {"splits": 3, "block_n": 64,
+    "num_warps": 4, "num_stages": 3, ...}}}` (other keys ignored; `shape` optional) -> a `LaunchTable`."""
     try:
         launches = data["launches"]
         table = {int(rows): FastLaunch(**{k: int(v[k]) for k in ("splits", "block_n", "num_warps", "num_stages")})
@@ -74,14 +94,14 @@ def parse_table(data: dict, source: str) -> dict[int, FastLaunch]:
         raise ValueError(f"{source}: not a fast-step launch table ({type(exc).__name__}: {exc})") from None
     if not table or min(table) < 1:
         raise ValueError(f"{source}: a launch table needs batch sizes of at least 1")
-    return table
+    shape = data.get("shape")
+    return LaunchTable(table, dict(shape) if isinstance(shape, dict) else {})
 
 
-_TABLES: dict[tuple[str, str], dict[int, FastLaunch] | None] = {}
-_SHAPES: dict[int, dict] = {}  # a read table's `shape` (what it was measured on), by the table's identity
+_TABLES: dict[tuple[str, str], LaunchTable | None] = {}
 
 
-def launch_table(device: torch.device) -> dict[int, FastLaunch] | None:
+def launch_table(device: torch.device) -> LaunchTable | None:
     """The table for `device` ($COTSERVE_SFI_FAST_CONFIG, else the shipped one), read once."""
     given = os.environ.get(ENV_TABLE, "")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
@@ -97,20 +117,8 @@ def launch_table(device: torch.device) -> dict[int, FastLaunch] | None:
                 raise ValueError(f"${ENV_TABLE}: cannot read a launch table from {path.name} "
                                  f"({type(exc).__name__})") from None
             _TABLES[key] = parse_table(data, path.name)
-            _SHAPES[id(_TABLES[key])] = data.get("shape") if isinstance(data.get("shape"), dict) else {}
     return _TABLES[key]
 
-
-def fits(shape: dict, kv_heads: int, head_dim: int | None) -> bool:
-    """Whether a table measured on `shape` applies to a model of these KV heads and head dim (a table
-    that names neither applies to any)."""
-    return shape.get("kv_heads", kv_heads) == kv_heads and (head_dim is None or shape.get("head_dim", head_dim) == head_dim)
-
-
-def pick(table: dict[int, FastLaunch], rows: int) -> FastLaunch:
-    """The entry of the largest tuned batch size <= rows (the smallest tuned size when none is)."""
-    below = [r for r in table if r <= rows]
-    return table[max(below) if below else min(table)]
 
 
 _CHOSEN: dict[tuple, FastLaunch] = {}
@@ -130,10 +138,8 @@ def fast_launch(rows: int, kv_heads: int, device: torch.device, head_dim: int | 
 
 def _decide(rows: int, kv_heads: int, head_dim: int | None, device: torch.device) -> FastLaunch:
     table = launch_table(device)
-    if table is not None and not fits(_SHAPES.get(id(table), {}), kv_heads, head_dim):
-        table = None
-    if table is not None:
-        launch = pick(table, rows)
+    if table is not None and table.fits(kv_heads, head_dim):
+        launch = table.pick(rows)
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         launch = FastLaunch(splits=heuristic_splits(rows, kv_heads, sms))
