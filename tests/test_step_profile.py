@@ -86,5 +86,11 @@ def test_the_step_plan_ticks_the_profiler_only_while_its_directory_is_set(tmp_pa
     proc.rows.add(0, RowRequest(prompt_ids=[1, 2], output_ids=[]))
     for _ in range(4):  # the first serving step takes the trigger; two steps later the profile is written
         step_plan.plan_step(None, cm, 16, stage, None, None)
-    assert len(list(tmp_path.glob("steps-*.txt"))) == 1 and not (tmp_path / "trigger").exists()
+    (txt,) = tmp_path.glob("steps-*.txt")
+    assert not (tmp_path / "trigger").exists()
+    # while it records, the plan's parts are named ranges of the trace and the table
+    assert "cotserve: sfi plan" in txt.read_text() and "cotserve: sfi refreshes" in txt.read_text()
+    (trace,) = tmp_path.glob("steps-*.json.gz")
+    names = {e.get("name") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
+    assert {"cotserve: sfi plan", "cotserve: sfi refreshes"} <= names
     process.reset()

@@ -17,6 +17,7 @@ request, the CUDA one while the model loads) and its cache reader for the compac
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -53,16 +54,31 @@ def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: 
         for runtime in (proc.graph_sfi, proc.sfi_access.runtime if proc.sfi_access is not None else None):
             if runtime is not None:  # its telemetry lines carry the clock's counters
                 runtime.step_clock = proc.step_clock
+    label = _label if proc.step_profile is not None and proc.step_profile.prof is not None else _no_label
     steer = runtime_builders.steer_for(vllm_config)
     if steer is not None:
-        steer.plan(proc.rows, cm, proc.steer_buffers)
-    sfi.before_compaction(cm, block_size)
+        with label("cotserve: steering plan"):
+            steer.plan(proc.rows, cm, proc.steer_buffers)
+    with label("cotserve: sfi refreshes"):
+        sfi.before_compaction(cm, block_size)
     if evict is not None:
-        cm = evict.plan(proc.rows, cm, block_size, compat.layer_caches(evict.layers), evict_paged, proc.hidden.buf)
-    cm = sfi.plan(cm, block_size, evict)
+        with label("cotserve: eviction plan"):
+            cm = evict.plan(proc.rows, cm, block_size, compat.layer_caches(evict.layers), evict_paged,
+                            proc.hidden.buf)
+    with label("cotserve: sfi plan"):
+        cm = sfi.plan(cm, block_size, evict)
     if proc.step_clock is not None and telemetry_on():
         proc.step_clock.note(*sfi.step_kinds())
     return cm
+
+
+def _label(name: str) -> Any:
+    """A named range in the step profile's trace and tables (host time, and the kernels launched in it)."""
+    return torch.profiler.record_function(name)
+
+
+def _no_label(name: str) -> Any:
+    return nullcontext()
 
 
 def _profile_tick(proc: Any, cm: Any) -> None:

@@ -10,6 +10,10 @@ activity; the trigger is removed at once. When the window closes the engine writ
   the summed time of the device kernels the profiler saw, `device_busy`: their ratio, which says
   whether the steps waited for the host), then the operators' table by device time and by host time.
 
+While it records, the plugin's work in each step's plan is a named range of the trace and the tables
+(`cotserve: sfi refreshes`, `cotserve: sfi plan`, `cotserve: eviction plan`, `cotserve: steering plan`:
+`step_plan.plan_step`), its host time and the kernels it launched told apart from vLLM's own.
+
 The profiler slows the steps it records; what it tells is where their time goes, not how long they
 take unprofiled. A failure (a directory that cannot be written, another profiler already on) is
 logged once and never stops the engine; with several workers, one takes the trigger.
