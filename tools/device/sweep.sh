@@ -135,7 +135,9 @@ profiled() { # an SFI run of $PW whose engine steps are profiled: $PSTEPS (300) 
   ( sleep "${PDELAY:-8}"; echo "${PSTEPS:-300}" > $R/prof/trigger ) &
   NW=0 NEED=${need:-30} bench "profile-sfi-$i-$o" 8200 "$i" "$o" "$r" "$n" "$c" "${s:-0}" "" '{"cotserve": {"policy": "sfi"}}'
   for k in $(seq 1 60); do ls $R/prof/steps-*.txt >/dev/null 2>&1 && break; sleep 1; done
-  cp $R/prof/steps-* $D/ 2>/dev/null; head -1 $D/steps-*.txt 2>/dev/null; }
+  cp $R/prof/steps-* $D/ 2>/dev/null; head -1 $D/steps-*.txt 2>/dev/null
+  for f in $D/steps-*.json.gz; do [ -f "$f" ] && python3 "$PWD/tools/device/profile_summary.py" "$f" > "${f%.json.gz}-summary.json"; done
+  cat $D/steps-*-summary.json 2>/dev/null | head -60; }
 bytecode; zygote
 case $PHASE in
   stock1) setup
