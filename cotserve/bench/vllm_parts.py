@@ -5,7 +5,8 @@
 * a batched refresh (`GraphSFI.refresh`: evidence, selector, re-pack) of J requests of n entries
   over every layer, on random caches in vLLM's FlashAttention layout: its GPU time (`ms`, CUDA events)
   and the host's time to issue it (`host_ms`; where it exceeds `ms`, the host is what a refresh waits on).
-`--refresh J N [J N ...]` times refreshes alone; `--profile [J N]` prints one refresh's kernel table.
+`--refresh J N [J N ...]` times refreshes alone; `--launches` the host's time per launch; `--profile [J N]`
+prints a refresh's operators by device time and by host time.
 Needs a CUDA GPU; shapes default to Qwen3-4B's attention (36 layers, 32/8 heads, head dim 128).
 """
 
@@ -112,13 +113,43 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
             "ms": round(start.elapsed_time(end) / reps, 2), "host_ms": round(1e3 * host / reps, 3)}
 
 
+def time_launches(reps: int = 2000) -> dict:
+    """The host's time per launch on this machine (microseconds, the GPU not waited for): a small torch
+    op, a small Triton kernel (`ring_write`, a dozen arguments), and the refresh's top-K of 2,048 over
+    288 rows of 16,384 entries (`topk_sorted`). A refresh makes ~25 launches, 4 of them Triton's."""
+    from cotserve.kernels.sfi_paged import ring_write
+    from cotserve.kernels.sfi_select import topk_sorted
+
+    dev = torch.device("cuda")
+    x = torch.zeros(16, device=dev)
+    q = torch.zeros(4, 32, 128, device=dev, dtype=torch.bfloat16)
+    ring = torch.zeros(5, 32, 32, 128, device=dev, dtype=torch.bfloat16)
+    w = torch.zeros(16, dtype=torch.long, device=dev)
+    scores = torch.randn(288, 16384, device=dev)
+    cases = {"torch_add_us": (lambda: x.add_(1.0), reps), "triton_ring_write_us": (lambda: ring_write(q, ring, w, w, w), reps),
+             "topk_sorted_2048_us": (lambda: topk_sorted(scores, 2048), 50)}
+    out: dict = {"part": "launch_host_time"}
+    for name, (fn, n) in cases.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = round(1e6 * (time.perf_counter() - t0) / n, 2)
+        torch.cuda.synchronize()
+    return out
+
+
 def profile_refresh(j: int = 4, n: int = 32768) -> None:
-    """Where a refresh's GPU time goes: torch.profiler's table of CUDA kernels, top 25."""
+    """Where a refresh's time goes: torch.profiler's operators, top 25 by device time, then by host time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         time_refresh(j=j, n=n)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    table = prof.key_averages()
+    print(table.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:
@@ -126,6 +157,9 @@ def main() -> None:
         i = sys.argv.index("--profile")
         args = [int(a) for a in sys.argv[i + 1 : i + 3]]
         profile_refresh(*args)
+        return
+    if "--launches" in sys.argv:  # the host's cost of one launch
+        print(json.dumps(time_launches()), flush=True)
         return
     if "--refresh" in sys.argv:  # --refresh J N [J N ...]: refreshes alone
         nums = [int(a) for a in sys.argv[sys.argv.index("--refresh") + 1 :]]
