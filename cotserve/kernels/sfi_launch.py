@@ -120,7 +120,6 @@ def launch_table(device: torch.device) -> LaunchTable | None:
     return _TABLES[key]
 
 
-
 _CHOSEN: dict[tuple, FastLaunch] = {}
 
 

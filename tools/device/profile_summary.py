@@ -56,8 +56,8 @@ def summarize(events: list[dict], top: int = 15) -> dict:
             "total_ms": round(idle_us / 1e3, 3), "gaps": len(gaps),
             "gaps_over_100us": sum(1 for a, b in gaps if b - a > 100),
             "longest_ms": round(max((b - a for a, b in gaps), default=0.0) / 1e3, 3),
-            "while_in_range_ms": {name: round(sum(_overlap(_union(spans), a, b) for a, b in gaps) / 1e3, 3)
-                                  for name, spans in sorted(ranges.items())}}
+            "while_in_range_ms": {name: round(sum(_overlap(merged, a, b) for a, b in gaps) / 1e3, 3)
+                                  for name, merged in ((n, _union(s)) for n, s in sorted(ranges.items()))}}
     out["ranges"] = {name: {"count": len(spans), "total_ms": round(sum(b - a for a, b in spans) / 1e3, 3),
                             "median_ms": round(statistics.median(b - a for a, b in spans) / 1e3, 4),
                             "max_ms": round(max(b - a for a, b in spans) / 1e3, 3)}
