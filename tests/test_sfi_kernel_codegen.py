@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cotserve.kernels import sfi_paged as sp
+from cotserve.kernels import sfi_refresh as sr
 
-pytestmark = pytest.mark.skipif(not sp.HAVE_TRITON, reason="triton not installed")
+pytestmark = pytest.mark.skipif(not sr.HAVE_TRITON, reason="triton not installed")
 
 
 def _jit(kernel):
@@ -36,7 +36,7 @@ def _ptx_loads(kernel_name: str, types: dict[str, str], constexprs: dict[str, in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = _jit(getattr(sp, kernel_name))
+    kernel = _jit(getattr(sr, kernel_name))
     sig, attrs = {}, {}
     skip = {kernel.arg_names[n] if isinstance(n, int) else n for n in kernel.do_not_specialize}
     for i, name in enumerate(kernel.arg_names):
@@ -44,7 +44,7 @@ def _ptx_loads(kernel_name: str, types: dict[str, str], constexprs: dict[str, in
             sig[name] = "constexpr"
             continue
         sig[name] = types.get(name, "i32")
-        if name not in skip:
+        if name not in skip and sig[name] != "fp32":
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32))
@@ -66,16 +66,17 @@ def _loads(kernel_name: str, types: dict[str, str], constexprs: dict[str, int]) 
     return collections.Counter(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def test_paged_logits_reads_keys_in_vector_loads():
-    loads = _loads("_paged_logits_kernel",
-                   {"Q": "*bf16", "KC": "*bf16", "KOFF": "*i64", "BT": "*i32", "OUT": "*fp32", "NORM": "*fp32"},
-                   {"R": 32, "RP": 32, "D": 128, "BS": 16, "BLOCK_N": 64})
+def test_ring_logits_read_keys_in_vector_loads():
+    loads = _loads("_ring_logits_kernel",
+                   {"RING": "*bf16", "SLOTS": "*i32", "RIDX": "*i32", "RPOS": "*i32", "KC": "*bf16", "KOFF": "*i64",
+                    "BT": "*i32", "OUT": "*fp32", "NORM": "*fp32", "scale": "fp32"},
+                   {"G": 4, "R": 1, "RP": 16, "D": 128, "BS": 16, "BLOCK_N": 64})
     assert loads["ld.global.v4.b32"] >= 8 and loads["ld.global.b16"] == 0, loads
 
 
-def test_paged_pack_reads_keys_and_values_in_vector_loads():
+def test_pack_reads_keys_and_values_in_vector_loads():
     loads = _loads("_pack_kernel",
-                   {"KC": "*bf16", "VC": "*bf16", "CK": "*bf16", "CV": "*bf16", "KEYS": "*i64", "KOFF": "*i64",
-                    "VOFF": "*i64", "BT": "*i32", "SLOTS": "*i32"},
-                   {"D": 128, "BS": 16, "BLOCK": 64})
+                   {"KEEP": "*i64", "TPOS": "*i64", "BT": "*i32", "KC": "*bf16", "VC": "*bf16", "KOFF": "*i64",
+                    "VOFF": "*i64", "CK": "*bf16", "CV": "*bf16", "CPOS": "*i32", "SLOTS": "*i32"},
+                   {"C": 2112, "D": 128, "BS": 16, "BLOCK": 64})
     assert loads["ld.global.v4.b32"] >= 16 and loads["ld.global.b16"] == 0, loads

@@ -126,19 +126,6 @@ def test_kernel_matches_reference_cuda_bf16():
         assert err < 1e-2, err
 
 
-@pytest.mark.parametrize("n", [1, 37, 130])
-def test_paged_logits_matches_reference(n):
-    gen = torch.Generator().manual_seed(n)
-    j, h, r, d, bs, nb = 2, 3, 12, 32, 16, 20
-    q = torch.randn(j, h, r, d, generator=gen)
-    kv = torch.randn(nb, h, bs, 2 * d, generator=gen)
-    kc = kv.transpose(1, 2).split(d, dim=-1)[0]
-    bt = torch.stack([torch.randperm(nb, generator=gen)[:10] for _ in range(j)]).to(torch.int32)
-    want, wnorm = sp.paged_logits_reference(q, kc, bt, n)
-    got, gnorm = sp.paged_logits(q, kc, bt, n, block_n=16)
-    assert torch.allclose(got, want, atol=1e-4) and torch.allclose(gnorm, wnorm, atol=1e-4)
-
-
 def test_ring_write_matches_reference():
     """Rows of a strided q (vLLM's q is a view into the fused qkv) land in their (slot, index);
     writes to the scratch slot are dropped; tokens past the end are clamped to the last."""
@@ -156,65 +143,3 @@ def test_ring_write_matches_reference():
     assert torch.equal(got[:slots], want[:slots])
     assert torch.equal(got[1, 5], q[0]) and torch.equal(got[2, 2], q[4])  # token 9 clamped to the last
     assert torch.all(got[slots] == 0)  # scratch writes skipped
-
-
-def _layers(gen, n_layers=4, nb=20, h=3, bs=16, d=32):
-    """Each layer's cache its own allocation, in vLLM's [blocks, H, block, 2D] layout, viewed as
-    [blocks, block, H, D] keys and values (as the vLLM backend views them)."""
-    kvs = [torch.randn(nb, h, bs, 2 * d, generator=gen) for _ in range(n_layers)]
-    keys, values = zip(*(kv.transpose(1, 2).split(d, dim=-1) for kv in kvs), strict=True)
-    return kvs, list(keys), list(values)
-
-
-@pytest.mark.parametrize("l0,nl", [(0, 4), (1, 2), (3, 1)])
-def test_paged_logits_layers_reads_each_layer_in_one_launch(l0, nl):
-    """Layers l0 .. l0+nl-1 of separately allocated caches, read through the first layer's pointer and
-    the offset table, match the per-layer reference."""
-    gen = torch.Generator().manual_seed(10 + l0)
-    _, keys, values = _layers(gen)
-    j, h, r, d, n = 2, 3, 12, 32, 101
-    q = torch.randn(j, nl, h, r, d, generator=gen)
-    bt = torch.stack([torch.randperm(20, generator=gen)[:10] for _ in range(j)]).to(torch.int32)
-    layers = sp.PagedLayers.of(keys, values)
-    out, norms = torch.empty(j, nl, h, r, n), torch.empty(j, nl, h, n)
-    sp.paged_logits_layers(q, layers, l0, bt, n, out, norms, block_n=16)
-    want, wnorm = sp.paged_logits_layers_reference(q, keys[l0 : l0 + nl], bt, n)
-    assert torch.allclose(out, want, atol=1e-4) and torch.allclose(norms, wnorm, atol=1e-4)
-    # each layer's own keys: a launch that read layer 0 for all of them would differ
-    assert not torch.allclose(want[:, 0], sp.paged_logits_reference(q[:, 0], keys[(l0 + 1) % 4], bt, n)[0])
-
-
-def test_paged_pack_layers_copies_every_layer_in_one_launch():
-    gen = torch.Generator().manual_seed(5)
-    _, keys, values = _layers(gen)
-    j, h, d, bs, slots, c, m = 2, 3, 32, 16, 3, 48, 37
-    bt = torch.stack([torch.randperm(20, generator=gen)[:8] for _ in range(j)]).to(torch.int32)
-    pos = torch.stack([torch.stack([torch.stack([torch.randperm(8 * bs, generator=gen)[:m].sort().values
-                                                 for _ in range(h)]) for _ in range(4)]) for _ in range(j)])
-    sl = torch.tensor([2, 0], dtype=torch.int32)
-    got_k, got_v = torch.zeros(4, slots, h, c, d), torch.zeros(4, slots, h, c, d)
-    sp.paged_pack_layers(pos, bt, sp.PagedLayers.of(keys, values), got_k, got_v, sl, block=16)
-    want_k, want_v = torch.zeros(4, slots, h, c, d), torch.zeros(4, slots, h, c, d)
-    for li in range(4):
-        sp.paged_pack_reference(pos[:, li], bt, keys[li], values[li], want_k[li], want_v[li], sl)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    assert not torch.equal(want_k[0], want_k[1]) and torch.all(want_k[:, 1] == 0)
-
-
-def test_layer_offsets_refuse_layers_that_differ():
-    gen = torch.Generator().manual_seed(1)
-    _, keys, _ = _layers(gen)
-    assert sp.layer_offsets(keys)[0] == 0 and len(set(sp.layer_offsets(keys))) == 4
-    with pytest.raises(ValueError, match="uniform"):
-        sp.layer_offsets([keys[0], keys[1][:10]])
-    with pytest.raises(ValueError, match="uniform"):
-        sp.layer_offsets([keys[0], keys[1].to(torch.float16)])
-
-
-def test_layer_offsets_refuse_layers_less_than_16_elements_apart():
-    """The kernels promise the compiler 16-element alignment of each layer's offset (vectorized loads)."""
-    base = torch.zeros(4 * 64 + 8)
-    a, b = base[:64].view(4, 16), base[72 : 72 + 64].view(4, 16)
-    with pytest.raises(ValueError, match="16 elements"):
-        sp.layer_offsets([a, b])
-    assert sp.layer_offsets([a, base[64:128].view(4, 16)]) == [0, 64]

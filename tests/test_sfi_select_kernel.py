@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from cotserve.kernels import sfi_paged as sp
 from cotserve.kernels import sfi_select as ss
 from cotserve.policies import selector as sel
 from cotserve.policies.sfi.config import SFIConfig
@@ -78,24 +77,6 @@ def test_fused_selector_reacts_to_the_evidence():
 def test_unsupported_options_are_reported():
     assert not ss.fused_supported(dataclasses.replace(BASE, fusion="linear"))
     assert not ss.fused_supported(dataclasses.replace(BASE, alpha=0.0))
-
-
-@pytest.mark.parametrize("m", [1, 37, 70])
-def test_paged_pack_matches_reference(m):
-    gen = torch.Generator().manual_seed(m)
-    j, h, d, bs, nb, slots, c = 3, 2, 16, 8, 30, 5, 80
-    kv = torch.randn(nb, h, bs, 2 * d, generator=gen)  # vLLM's [blocks, H, block, 2D]
-    kc, vc = kv.transpose(1, 2).split(d, dim=-1)
-    bt = torch.stack([torch.randperm(nb, generator=gen)[:12] for _ in range(j)]).to(torch.int32)
-    keys = torch.stack([torch.stack([torch.randperm(12 * bs, generator=gen)[:m].sort().values for _ in range(h)])
-                        for _ in range(j)])
-    sl = torch.tensor([4, 0, 2], dtype=torch.int32)
-    want_k, want_v = torch.zeros(slots, h, c, d), torch.zeros(slots, h, c, d)
-    sp.paged_pack_reference(keys, bt, kc, vc, want_k, want_v, sl)
-    got_k, got_v = torch.zeros(slots, h, c, d), torch.zeros(slots, h, c, d)
-    sp.paged_pack(keys, bt, kc, vc, got_k, got_v, sl, block=16)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    assert want_k[4, :, :m].abs().sum() > 0 and torch.all(want_k[1] == 0)
 
 
 @pytest.mark.cuda

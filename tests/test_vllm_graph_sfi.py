@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cotserve.kernels.sfi_paged import sfi_paged_fast_reference
 from cotserve.policies.sfi.config import SFIConfig
@@ -495,6 +496,68 @@ def test_logits_buffer_is_one_padded_storage(setup):
     c = g.logits_buffer(4096, 33)  # more than it holds: a bigger storage
     assert c.shape == (4096, 33) and c.stride(0) == 48
     assert g.logits_buffer(1, 1).data_ptr() == c.data_ptr()
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the torch operators that compute (views and allocations aside); paused inside kernels
+    (Triton's interpreter runs them with torch operators of its own)."""
+
+    SKIP = {"view", "slice", "select", "unsqueeze", "expand", "permute", "transpose", "as_strided", "_unsafe_view",
+            "empty", "empty_strided", "alias", "detach", "lift_fresh", "unbind"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.paused and name not in self.SKIP:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_refresh_issues_few_launches(setup, monkeypatch):
+    """A refresh is issued by the host between two steps: its launches are host time the next step
+    can wait on. One request's refresh over every layer makes four Triton launches (the logits read
+    from the ring, the selector's two kernels, the re-pack with positions) and two torch operators
+    (the top-K and its sort) besides the copy of its rows and slot to the device."""
+    from cotserve.kernels import sfi_refresh, sfi_select
+
+    gen, caches, cfg, g = setup
+    mode, launched = _Ops(), []
+
+    class Counted:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            run = self.kernel[grid]
+
+            def call(*args, **kwargs):
+                launched.append(self.name)
+                mode.paused += 1
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    mode.paused -= 1
+            return call
+
+    for module, name in ((sfi_refresh, "_ring_logits_kernel"), (sfi_refresh, "_pack_kernel"),
+                         (sfi_select, "_head_kernel"), (sfi_select, "_mix_kernel")):
+        monkeypatch.setattr(module, name, Counted(getattr(module, name), name))
+    n = 150
+    blocks = torch.randperm(NB, generator=gen)[:12].view(1, -1).to(torch.int32)
+    g.ring.normal_(generator=gen)
+    st = SlotState(cfg, RefreshTrigger(), n, slot=1, ring_pos=[n - 8 + ((i - n) % 8) for i in range(8)], refresh_n=n,
+                   refresh_lo=n - cfg.obs_window)
+    g._warm(cfg, 1)
+    launched.clear()
+    with mode:
+        g.refresh_all([(st, blocks[0])], BS)
+    assert sorted(launched) == ["_head_kernel", "_mix_kernel", "_pack_kernel", "_ring_logits_kernel"]
+    assert sorted(mode.ops) == ["sort", "topk"], mode.ops
+    assert torch.all(g.cpos[:, 1, :, : 4 + 24] >= 0) and torch.all(g.cpos[:, 1, :, 4 + 24 :] == -1)
 
 
 def test_layer_views_are_kept_until_vllm_binds_new_caches(setup):

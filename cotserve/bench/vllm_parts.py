@@ -116,7 +116,8 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
 def time_launches(reps: int = 2000) -> dict:
     """The host's time per launch on this machine (microseconds, the GPU not waited for): a small torch
     op, a small Triton kernel (`ring_write`, a dozen arguments), and the refresh's top-K of 2,048 over
-    288 rows of 16,384 entries (`topk_sorted`). A refresh makes ~25 launches, 4 of them Triton's."""
+    288 rows of 16,384 entries (`topk_sorted`). One request's refresh makes a host-to-device copy, four Triton
+    launches and the top-K with its sort (per chunk of layers: the logits, the selector and the top-K)."""
     from cotserve.kernels.sfi_paged import ring_write
     from cotserve.kernels.sfi_select import topk_sorted
 

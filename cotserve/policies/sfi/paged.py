@@ -19,12 +19,15 @@ true positions, a refresh masks and weighs entries by their true positions (`Slo
 taken at the step that computed the evidence, with that step's block row), and the compact buffers,
 being copies, stay readable after their entries left the cache, until the next refresh.
 
-A refresh (`refresh`) computes the evidence of a sequence's ring rows over its history, read in
-place from the paged cache (`kernels.sfi_paged.paged_logits_layers`), runs the selector's steps
-2-5 (the fused Triton selector, or `cotserve.policies`' own functions) on all layers at once, and
-re-packs the compact buffers (`paged_pack_layers`). Both kernels read many layers in one launch
-through a table of the layers' offsets (`PagedLayers`, taken once and kept while the engine's
-cache tensors stay the same objects): one launch per chunk of layers, not one per layer.
+A refresh (`refresh`) computes the evidence of a sequence's ring rows over its history, the rows
+read from the ring and the keys in place from the paged cache (`kernels.sfi_refresh.ring_logits_layers`),
+runs the selector's steps 2-5 (the fused Triton selector, or `cotserve.policies`' own functions) on
+all layers at once, and re-packs the compact buffers and their positions
+(`pack_selection_layers`). Both kernels read many layers in one launch through a table of the
+layers' offsets (`PagedLayers`, taken once and kept while the engine's cache tensors stay the same
+objects): one launch per chunk of layers, not one per layer; a refresh is issued between two steps,
+so it launches as little as it can (one host-to-device copy, the two kernels, the selector's two and
+the top-K with its sort).
 The engine-specific part, how the cache is viewed as pages and how rows are planned each step,
 is the subclass's.
 """
@@ -35,7 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cotserve.kernels.sfi_paged import PagedLayers, paged_logits_layers, paged_pack_layers, ring_write
+from cotserve.kernels.sfi_paged import ring_write
+from cotserve.kernels.sfi_refresh import PagedLayers, pack_selection_layers, ring_logits_layers
 from cotserve.kernels.sfi_select import fused_supported, selector_scores, topk_sorted
 from cotserve.policies import selector as sel
 from cotserve.policies.options import SFIOptions, option_default
@@ -192,7 +196,9 @@ class PagedSFI:
             per = max(1, REFRESH_FLOATS // max(1, self.hq * len(rows) * n))
             for a in range(0, len(group), per):
                 part = group[a : a + per]
-                self.refresh([st for st, _ in part], torch.stack([b for _, b in part]), block_size)
+                # one request's block row as a view (no copy launched), several stacked
+                bt = part[0][1].unsqueeze(0) if len(part) == 1 else torch.stack([b for _, b in part])
+                self.refresh([st for st, _ in part], bt, block_size)
 
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's keys and values as paged views [blocks, block, H, D] (the engine's layout)."""
@@ -231,10 +237,12 @@ class PagedSFI:
             st.refresh_n = st.refresh_hi = 0
             st.refresh_pos = st.refresh_blocks = None
         dev = self.device
-        # the ring rows' positions and indices and the slots in one transfer
-        host = to_device([*rp, *idx, *(st.slot for st in states)], torch.long, dev)
-        row_pos, ridx, slots = host[:r], host[r : 2 * r], host[2 * r :]
-        pos = torch.arange(n, device=dev)
+        # the ring rows' positions and indices and the slots in one transfer, each part 16-byte aligned
+        # (Triton compiles one variant of the kernels that read them)
+        r4 = -(-r // 4) * 4
+        host = to_device([*rp, *[0] * (r4 - r), *idx, *[0] * (r4 - r), *(st.slot for st in states)],
+                         torch.int32, dev)
+        row_pos, ridx, slots = host[:r], host[r4 : r4 + r], host[2 * r4 : 2 * r4 + j]
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
         fused = fused_supported(cfg) and tpos is None  # the fused selector's prior reads indices as positions
         views = self.paged_layers()
@@ -242,20 +250,17 @@ class PagedSFI:
         keeps, fs, norms_all = [], [], []
         for l0 in range(0, self.L, chunk):
             nl = min(self.L, l0 + chunk) - l0
-            q = self.ring[l0 : l0 + nl][:, slots][:, :, ridx]  # [l, J, r, Hq, D]
-            q = (q.permute(1, 0, 3, 2, 4).reshape(j, nl, self.hkv, self.g * r, self.d) * self.scale).contiguous()
             logits = self.logits_buffer(j, nl, self.hkv, self.g * r, n)
             norms = padded(j, nl, self.hkv, n, device=dev)
-            paged_logits_layers(q, views, l0, blocks, n, logits, norms)  # one read of the keys, in place
+            # one read of the keys, in place, with the ring's rows as queries, causal by index
+            ring_logits_layers(self.ring, slots, ridx, row_pos, self.scale, views, l0, nl, blocks, n, logits, norms,
+                               causal=tpos is None and oldest + 1 < n)
             logits = logits.view(j, nl, self.hkv, self.g, r, n)
             if not fused:  # the fused selector never reads the sinks' logits (its candidates start after them)
                 logits[..., : cfg.sinks] = float("-inf")
             if tpos is not None:  # causal, by true position
                 tp = tpos[l0 : l0 + nl].view(1, nl, self.hkv, 1, 1, n)
                 logits.masked_fill_(tp > row_pos.view(r, 1), float("-inf"))
-            elif oldest + 1 < n:  # causal: a row sees no entry newer than itself
-                tail = logits[..., oldest + 1 :]
-                tail.masked_fill_(pos[oldest + 1 :] > row_pos.view(r, 1), float("-inf"))
             if fused:  # the whole selector in two kernels, then the top-K
                 scores = selector_scores(cfg, logits.view(j * nl, self.hkv, self.g * r, n),
                                          norms.view(j * nl, self.hkv, n), now)
@@ -265,24 +270,16 @@ class PagedSFI:
                 fs.append(f)
                 norms_all.append(norms)
         if fused:
-            keep = torch.cat(keeps, 1)  # [J, L, H, k]
+            keep = keeps[0] if len(keeps) == 1 else torch.cat(keeps, 1)  # [J, L, H, k]
         else:
             f = torch.cat(fs, 1)  # [J, L, H, n]
-            where = pos.expand(j, self.L, self.hkv, n) if tpos is None else tpos.unsqueeze(0)
+            where = torch.arange(n, device=dev).expand(j, self.L, self.hkv, n) if tpos is None else tpos.unsqueeze(0)
             keep = select_from_evidence(cfg, f, where, torch.cat(norms_all, 1), now)
-        ns = min(cfg.sinks, n)
-        m = ns + keep.shape[-1]
-        keys = padded(j, self.L, self.hkv, m, dtype=torch.long, device=dev)  # [J, L, H, m]
-        keys[..., :ns] = pos[:ns]
-        keys[..., ns:] = keep
-        true = keys if tpos is None else torch.gather(tpos.unsqueeze(0).expand(j, -1, -1, -1), 3, keys)
-        # the slots' positions in one device-side copy: a scalar assigned through an index is uploaded
-        # from pageable memory, a copy that waits for every queued kernel (the step in flight included)
-        fresh = torch.full((self.L, j, self.hkv, self.C), -1, dtype=torch.int32, device=dev)
-        fresh[..., :m] = true.transpose(0, 1)
-        self.cpos.index_copy_(1, slots, fresh)
-        # pack: read only the kept entries, straight from the paged cache
-        paged_pack_layers(keys, blocks, views, self.ck, self.cv, slots.to(torch.int32))
+        # the re-pack: the sinks and the kept entries, read straight from the paged cache, and their
+        # (true) positions into the slots' `cpos`, in one launch
+        tp = None if tpos is None else tpos.to(torch.int64).contiguous()
+        pack_selection_layers(keep.contiguous(), min(cfg.sinks, n), tp, blocks, views, self.ck, self.cv, self.cpos,
+                              slots)
         for st in states:
             st.k_eff = keep.shape[-1]
 
@@ -298,15 +295,18 @@ class PagedSFI:
         bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         n = views.keys[0].shape[1]  # one block
         for rows in sorted({cfg.obs_window, cfg.prefill_window}):
-            q = torch.zeros(1, 1, self.hkv, self.g * rows, self.d, dtype=self.ring.dtype, device=dev)
+            host = torch.zeros(2 * -(-rows // 4) * 4 + 1, dtype=torch.int32, device=dev)
+            r4 = -(-rows // 4) * 4
+            row_pos, ridx, slot_t = host[:rows], host[r4 : r4 + rows], host[2 * r4 :]
             logits, norms = padded(1, 1, self.hkv, self.g * rows, n, device=dev), padded(1, 1, self.hkv, n, device=dev)
-            paged_logits_layers(q, views, 0, bt, n, logits, norms)
+            ring_logits_layers(self.ring, slot_t.fill_(self.slots), ridx, row_pos, self.scale, views, 0, 1, bt, n,
+                               logits, norms, causal=True)
             if fused_supported(cfg):
                 topk_sorted(selector_scores(cfg, logits[:, 0], norms[:, 0], n - 1), 1)
-        # the re-pack, into the slot being admitted (its contents are replaced at its first refresh)
+        # the re-pack of nothing into the slot being admitted (no entry copied; its positions say empty)
         slot_t = torch.tensor([slot], dtype=torch.int32, device=dev)
-        keys = padded(1, self.L, self.hkv, min(cfg.sinks + cfg.k, self.C), dtype=torch.long, device=dev).zero_()
-        paged_pack_layers(keys, bt, views, self.ck, self.cv, slot_t)
+        keep = padded(1, self.L, self.hkv, 16, dtype=torch.long, device=dev)[..., :0]
+        pack_selection_layers(keep, 0, None, bt, views, self.ck, self.cv, self.cpos, slot_t)
 
     # -- telemetry -----------------------------------------------------------------------------
     telemetry = staticmethod(sfi_telemetry)
