@@ -1,7 +1,7 @@
-"""The refresh kernels as the GPU gets them: compiled here ahead of time for an H100/H200 (sm_90,
+"""SFI's kernels as the GPU gets them: compiled here ahead of time for an H100/H200 (sm_90,
 Triton's CUDA backend needs no GPU to compile) with the specializations a launch on vLLM's cache
-gives (pointers and strides divisible by 16), their key and value reads must stay 128-bit vector
-loads. Reading a layer at an offset from the first layer's pointer hides the alignment from the
+gives (pointers and strides divisible by 16). The refresh kernels' key and value reads must stay
+128-bit vector loads, and so must the fast step's copies of the query rows into the rings. Reading a layer at an offset from the first layer's pointer hides the alignment from the
 compiler unless the kernel states it: without that, the same kernels read the cache 2 bytes at a time."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cotserve.kernels import sfi_paged as sp
 from cotserve.kernels import sfi_refresh as sr
 
 pytestmark = pytest.mark.skipif(not sr.HAVE_TRITON, reason="triton not installed")
@@ -36,7 +37,7 @@ def _ptx_loads(kernel_name: str, types: dict[str, str], constexprs: dict[str, in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = _jit(getattr(sr, kernel_name))
+    kernel = _jit(getattr(sp if kernel_name.startswith("_sfi_fast") else sr, kernel_name))
     sig, attrs = {}, {}
     skip = {kernel.arg_names[n] if isinstance(n, int) else n for n in kernel.do_not_specialize}
     for i, name in enumerate(kernel.arg_names):
@@ -80,3 +81,21 @@ def test_pack_reads_keys_and_values_in_vector_loads():
                     "VOFF": "*i64", "CK": "*bf16", "CV": "*bf16", "CPOS": "*i32", "SLOTS": "*i32"},
                    {"C": 2112, "D": 128, "BS": 16, "BLOCK": 64})
     assert loads["ld.global.v4.b32"] >= 16 and loads["ld.global.b16"] == 0, loads
+
+
+@pytest.mark.parametrize("kernel", ["_sfi_fast_kernel", "_sfi_fast_split_kernel"])
+def test_fast_step_with_its_ring_writes_compiles_for_sm90(kernel):
+    """The fast step that also does the step's ring writes (a loop over writes with runtime bounds)
+    compiles for the GPU and copies each query row (32 heads x 128 = 4,096 elements, four blocks of
+    1,024) in 16-byte loads: four more than the same kernel without the writes."""
+    types = {"Q": "*bf16", "Out": "*bf16", "CK": "*bf16", "CV": "*bf16", "CPOS": "*i32", "KC": "*bf16", "VC": "*bf16",
+             "BT": "*i32", "ROW_MODE": "*i32", "ROW_SLOT": "*i32", "ROW_TOK": "*i32", "ROW_WS": "*i32",
+             "ROW_LEN": "*i32", "CWS": "*i32", "PM": "*fp32", "PL": "*fp32", "PACC": "*fp32", "scale": "fp32",
+             "RING": "*bf16", "W_TOK": "*i64", "W_SLOT": "*i64", "W_IDX": "*i64"}
+    consts = {"C": 2112, "G": 4, "GP": 16, "D": 128, "BS": 16, "BLOCK_N": 64, "HD": 4096, "WBLOCK": 1024}
+    if kernel == "_sfi_fast_split_kernel":
+        consts.update(CHUNK=1088, NS=3)
+    with_writes = _loads(kernel, types, {**consts, "RING_WRITES": True})
+    without = _loads(kernel, types, {**consts, "RING_WRITES": False})
+    assert with_writes["ld.global.v4.b32"] - without["ld.global.v4.b32"] >= 4, (with_writes, without)
+    assert with_writes["ld.global.b16"] == 0, with_writes

@@ -47,6 +47,41 @@ def test_kernel_matches_reference(seed, splits):
     assert not torch.any(out[fast_toks] == 7.0)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_kernel_does_the_steps_ring_writes_in_the_same_launch(splits):
+    """With `ring`, the fast-step launch also does the step's ring writes, spread over its programs:
+    more writes than programs, from a strided q (vLLM's is a view into the fused qkv), tokens past
+    the end clamped, scratch-slot writes skipped; the ring ends as `ring_write_reference` leaves it
+    and the attention output is unchanged."""
+    q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = _case(3)
+    t, hq, d = q.shape
+    qkv = torch.cat([q.reshape(t, hq * d), torch.randn(t, 2 * d)], dim=1)
+    qv = qkv[:, : hq * d].view(t, hq, d)
+    slots, w = 3, 5
+    nw = 23  # more writes than the launch's 4 x 2 (x splits) programs
+    gen = torch.Generator().manual_seed(4)
+    w_tok = torch.randint(0, t + 3, (nw,), generator=gen)
+    w_slot = torch.randint(0, slots + 1, (nw,), generator=gen)
+    w_idx = torch.randperm(nw, generator=gen) % w
+    pairs = set()
+    for i in range(nw):  # one write per (slot, index), as a step makes them (their order is the launch's own)
+        key = (int(w_slot[i]), int(w_idx[i]))
+        if key in pairs:
+            w_slot[i] = slots
+        pairs.add(key)
+    assert int((w_slot < slots).sum()) >= 10 and int((w_slot == slots).sum()) >= 1
+    want = torch.zeros(slots + 1, w, hq, d)
+    sp.ring_write_reference(qv, want, w_tok, w_slot, w_idx)
+    got = torch.zeros(slots + 1, w, hq, d)
+    poison = torch.full_like(q, 7.0)
+    out = sp.sfi_paged_fast(qv, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16,
+                            splits=splits, ring=(got, w_tok, w_slot, w_idx))
+    plain = sp.sfi_paged_fast(qv, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
+                              block_n=16, splits=splits)
+    assert torch.equal(got[:slots], want[:slots]) and torch.all(got[slots] == 0)
+    assert torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_kernel_per_head_cutoff_matches_reference(splits):
     """A compacted request's cutoff differs per KV head (true positions): each head reads exactly the

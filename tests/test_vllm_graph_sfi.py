@@ -711,6 +711,44 @@ def test_a_request_recomputed_after_a_preemption_is_planned_as_a_prefill():
     assert modes[-1] == 0 and st.catch_up == cfg.obs_window - 1
 
 
+def test_the_fast_launch_writes_the_plans_ring_rows(setup):
+    """The step's query rows reach the rings through the fast-step launch (`attend_fast`): a prefill
+    step of three prompts (48 ring writes, more than the ring-write tensors hold: the rest eager),
+    then a decode step; every request's ring then holds exactly its own rows at its positions."""
+    from cotserve.vllm.batch_rows import RowRequest
+
+    gen, caches, cfg, g = setup
+    reqs = [RowRequest(prompt_ids=list(range(60)), output_ids=[], sfi=cfg) for _ in range(3)]
+    for i, r in enumerate(reqs):
+        g.rows.rows[i] = r
+    blocks = torch.stack([torch.randperm(NB, generator=gen)[:8] for _ in range(3)]).to(torch.int32)
+    kc, vc = caches[1].transpose(1, 2).split(D, dim=-1)
+    lens = [60, 60, 60]
+
+    def step(ntok: int) -> torch.Tensor:
+        cm = SimpleNamespace(num_reqs=3, query_start_loc_cpu=torch.arange(4) * ntok, block_table_tensor=blocks,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32))
+        g.refresh_due(cm, BS)
+        g.step(cm, BS)
+        q = torch.randn(3 * ntok, HQ, D, generator=gen)
+        g.attend_fast(1, q, torch.zeros_like(q), kc, vc, blocks, rows=3)
+        return q
+
+    q = step(60)
+    assert g.extra_writes  # some writes went eager
+    for i, r in enumerate(reqs):
+        w = len(r.state.ring_pos)
+        for p in range(60 - cfg.prefill_window, 60):
+            assert torch.equal(g.ring[1, r.state.slot, p % w], q[i * 60 + p])
+    for i in range(3):
+        reqs[i].output_ids.append(5)
+        lens[i] += 1
+    q = step(1)
+    for i, r in enumerate(reqs):
+        assert torch.equal(g.ring[1, r.state.slot, 60 % len(r.state.ring_pos)], q[i])
+    assert torch.all(g.ring[0] == 0)  # another layer's rings: untouched by this layer's launch
+
+
 def test_a_shrinking_batch_leaves_no_fast_row_or_ring_write_behind(setup):
     """The plan sends only the rows and ring writes this step or the last one used: a prefill's many
     ring writes, then a batch that loses two of its fast rows, leave no write outside the scratch slot

@@ -49,13 +49,20 @@ class Inputs:
         self.slot = torch.arange(rows, dtype=torch.int32, device=dev)
         self.lens = torch.full((rows,), context, dtype=torch.int32, device=dev)
         self.ws = self.lens - window
+        # the decode step's ring writes, done by the same launch: each row's query into its slot's ring
+        self.ring = torch.zeros(rows + 1, 32, hkv * g, d, device=dev, dtype=torch.bfloat16)
+        writes = torch.arange(4 * rows, device=dev)  # room for 4 a row, as vLLM's runtime makes it
+        self.w_tok = writes % rows
+        self.w_slot = torch.where(writes < rows, self.w_tok, rows)  # the rest to the scratch slot
+        self.w_idx = torch.zeros_like(writes)
         self.bytes = rows * hkv * (c + window) * d * 2 * 2  # compact + window keys and values
 
     def run(self, launch: FastLaunch) -> None:
         from cotserve.kernels.sfi_paged import sfi_paged_fast
 
         sfi_paged_fast(self.q, self.out, self.ck, self.cv, self.cpos, self.kc, self.vc, self.bt, self.mode, self.slot,
-                       self.slot, self.ws, self.lens, 0.088, launch=launch)
+                       self.slot, self.ws, self.lens, 0.088, launch=launch,
+                       ring=(self.ring, self.w_tok, self.w_slot, self.w_idx))
 
 
 def time_us(inputs: Inputs, launch: FastLaunch) -> float:

@@ -119,13 +119,35 @@ if HAVE_TRITON:
         return (q.to(tl.float32) * scale).to(dtype)
 
     @triton.jit
+    def _ring_writes(Q, RING, W_TOK, W_SLOT, W_IDX, pid, nprog, nw, t, scratch, sq_t, sq_h, sr_s, sr_w,
+                     D: tl.constexpr, HD: tl.constexpr, WBLOCK: tl.constexpr):
+        """The step's ring writes i = pid, pid + nprog, ... < nw (`ring_write_reference`'s contract):
+        token W_TOK[i]'s query row (clamped to the last token) into (W_SLOT[i], W_IDX[i]) of this
+        layer's ring [slots + 1, W, Hq, D]; writes to the scratch slot are skipped."""
+        for i in range(pid, nw, nprog):
+            slot = tl.load(W_SLOT + i)
+            if slot < scratch:
+                tok = tl.minimum(tl.load(W_TOK + i), t - 1).to(tl.int64)
+                w = tl.load(W_IDX + i).to(tl.int64)
+                for start in tl.static_range(0, HD, WBLOCK):
+                    offs = start + tl.arange(0, WBLOCK)
+                    ok = offs < HD
+                    x = tl.load(Q + tok * sq_t + (offs // D) * sq_h + offs % D, mask=ok)
+                    tl.store(RING + slot.to(tl.int64) * sr_s + w * sr_w + offs, x, mask=ok)
+
+    @triton.jit(do_not_specialize=["nw", "t", "scratch"])
     def _sfi_fast_kernel(Q, Out, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
                          CWS, scw_r, scw_h, sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
                          skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
+                         RING, W_TOK, W_SLOT, W_IDX, nw, t, scratch, sr_s, sr_w,
                          C: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                         BS: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, RING_WRITES: tl.constexpr, HD: tl.constexpr,
+                         WBLOCK: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
+        if RING_WRITES:
+            _ring_writes(Q, RING, W_TOK, W_SLOT, W_IDX, row * tl.num_programs(1) + h,
+                         tl.num_programs(0) * tl.num_programs(1), nw, t, scratch, sq_t, sq_h, sr_s, sr_w, D, HD, WBLOCK)
         if tl.load(ROW_MODE + row) == 1:
             slot = tl.load(ROW_SLOT + row).to(tl.int64)
             ws = tl.load(ROW_WS + row)
@@ -146,17 +168,23 @@ if HAVE_TRITON:
             tl.store(Out + tok * so_t + (h * G + offs_g)[:, None] * so_h + offs_d[None, :], o.to(Out.dtype.element_ty),
                      mask=(offs_g < G)[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["nw", "t", "scratch"])
     def _sfi_fast_split_kernel(Q, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
                                CWS, scw_r, scw_h, PM, PL, PACC, sq_t, sq_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
                                skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
+                               RING, W_TOK, W_SLOT, W_IDX, nw, t, scratch, sr_s, sr_w,
                                C: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr, G: tl.constexpr,
-                               GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+                               GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                               RING_WRITES: tl.constexpr, HD: tl.constexpr, WBLOCK: tl.constexpr):
         """Split s < NS - 1 reads compact entries [s * CHUNK, (s + 1) * CHUNK); split NS - 1 the window.
         Partial (max, sum, acc) per split go to PM/PL [rows, H, NS, GP] and PACC [rows, H, NS, GP, D]."""
         row = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
+        if RING_WRITES:
+            _ring_writes(Q, RING, W_TOK, W_SLOT, W_IDX, (row * tl.num_programs(1) + h) * NS + sp,
+                         tl.num_programs(0) * tl.num_programs(1) * NS, nw, t, scratch, sq_t, sq_h, sr_s, sr_w, D, HD,
+                         WBLOCK)
         if tl.load(ROW_MODE + row) == 1:
             slot = tl.load(ROW_SLOT + row).to(tl.int64)
             ws = tl.load(ROW_WS + row)
@@ -209,14 +237,20 @@ if HAVE_TRITON:
 def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok,
                    row_ws, row_len, scale: float, rows: int | None = None, block_n: int | None = None,
                    splits: int | None = None, row_cws: torch.Tensor | None = None,
-                   launch: FastLaunch | None = None) -> torch.Tensor:
+                   launch: FastLaunch | None = None,
+                   ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The Triton kernel over `rows` batch rows (default: all of row_mode). Same contract as the
     reference (`row_cws` [rows, Hkv] int32, or None: the window start is every head's cutoff).
     key_cache/value_cache may be strided views; the last dim must be contiguous.
     `splits` > 1 spreads each (row, KV head) over that many programs (split-K: compact chunks and
     the window) and combines their partial softmaxes in a second launch. The launch (splits, entries a
     block, warps, stages) is `launch`, else `sfi_launch.fast_launch` for the batch size; `splits` and
-    `block_n`, when given, replace its own."""
+    `block_n`, when given, replace its own. `ring` = (this layer's ring [slots + 1, W, Hq, D], w_tok,
+    w_slot, w_idx): the step's ring writes (`ring_write`) done by the same launch, spread over its
+    programs (one launch less per layer); None leaves the rings alone."""
+    if ring is not None and not (HAVE_TRITON and ring[0].stride(3) == 1 and ring[0].stride(2) == ring[0].shape[3]):
+        ring_write(q, *ring)  # no Triton, or a ring whose (Hq, D) rows are not contiguous: its own launch
+        ring = None
     if not HAVE_TRITON:
         return sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode,
                                         row_slot, row_tok, row_ws, row_len, scale, row_cws)
@@ -231,6 +265,14 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
               value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale))
     cws = (row_ws, row_ws.stride(0), 0) if row_cws is None else (row_cws, row_cws.stride(0), row_cws.stride(1))
     launch = launch or fast_launch(rows, hkv, q.device, d)
+    if ring is None:  # unread (RING_WRITES off): pointers of the right kinds
+        writes = (q, row_slot, row_slot, row_slot, 0, q.shape[0], 0, 0, 0)
+        wconst = {"RING_WRITES": False, "HD": d, "WBLOCK": 16}
+    else:
+        rg, w_tok, w_slot, w_idx = ring
+        writes = (rg, w_tok, w_slot, w_idx, w_tok.shape[0], q.shape[0], rg.shape[0] - 1, rg.stride(0), rg.stride(1))
+        hd = q.shape[1] * d
+        wconst = {"RING_WRITES": True, "HD": hd, "WBLOCK": min(1024, triton.next_power_of_2(hd))}
     ns = launch.splits if splits is None else splits
     block_n = launch.block_n if block_n is None else block_n
     opts = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
@@ -238,8 +280,8 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
         _sfi_fast_kernel[(rows, hkv)](
             q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len,
             *cws,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-            C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n, **opts)
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, *writes,
+            C=c, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n, **wconst, **opts)
         return out
     chunk = -(-c // (ns - 1) // block_n) * block_n  # compact entries per split, whole blocks
     pm = torch.empty(rows, hkv, ns, gp, dtype=torch.float32, device=q.device)
@@ -247,8 +289,8 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     pacc = torch.empty(rows, hkv, ns, gp, d, dtype=torch.float32, device=q.device)
     _sfi_fast_split_kernel[(rows, hkv, ns)](
         q, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot, row_tok, row_ws, row_len, *cws,
-        pm, pl, pacc, q.stride(0), q.stride(1), *common,
-        C=c, CHUNK=chunk, NS=ns, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n, **opts)
+        pm, pl, pacc, q.stride(0), q.stride(1), *common, *writes,
+        C=c, CHUNK=chunk, NS=ns, G=g, GP=gp, D=d, BS=key_cache.shape[1], BLOCK_N=block_n, **wconst, **opts)
     _sfi_combine_kernel[(rows, hkv)](out, row_mode, row_tok, pm, pl, pacc, out.stride(0), out.stride(1),
                                      NS=ns, G=g, GP=gp, D=d)
     return out

@@ -5,9 +5,9 @@ decode step, FULL CUDA graph or not, runs the same launches per layer:
 
 1. vLLM's FlashAttention over every row, with the lengths of SFI fast rows set to one entry (it
    reads nothing of their history); dense rows and SFI slow rows read their whole history;
-2. one `index_put` that writes the step's query rows of SFI requests into their rings;
-3. `kernels.sfi_paged.sfi_paged_fast`, one program per (row, KV head) on a fixed grid, which
-   overwrites the fast rows' outputs with attention over compact buffer + recent window.
+2. `kernels.sfi_paged.sfi_paged_fast`, one program per (row, KV head) on a fixed grid, which
+   writes the step's query rows of SFI requests into their rings and overwrites the fast rows'
+   outputs with attention over compact buffer + recent window.
 
 Which row is what lives in persistent GPU tensors that the metadata builder fills before every
 step (outside the graph); so do the FlashAttention lengths. The refreshes (bootstrap after the
@@ -32,7 +32,6 @@ import re
 
 import torch
 
-from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.paged import slot_bytes
 from cotserve.vllm import compat, gpu_memory
@@ -161,15 +160,13 @@ class CotserveFlashImpl(FlashAttentionImpl):
         t = query.shape[0]
         q = query.view(t, self.num_heads, self.head_size)
         o = output.view(output.shape[0], self.num_heads, self.head_size)
-        rt.write_ring(li, q)
         kc, vc = split_kv(kv_cache, self.head_size)
         rows = min(t, rt.max_rows, attn_metadata.block_table.shape[0])
         if ev is not None:
             ev.record(li, q)
             ev.accumulate(li, q, kv_cache, attn_metadata.block_table, key_cache=kc,  # h2o: `kernels.h2o_paged`
                           rows=min(t, ev.max_rows, attn_metadata.block_table.shape[0]))
-        sfi_paged_fast(q, o, rt.ck[li], rt.cv[li], rt.cpos[li], kc, vc, attn_metadata.block_table, rt.row_mode,
-                       rt.row_slot, rt.row_tok, rt.row_ws, rt.row_len, self.scale, rows=rows, row_cws=rt.row_cws[li])
+        rt.attend_fast(li, q, o, kc, vc, attn_metadata.block_table, rows=rows, row_cws=rt.row_cws[li])
         return out
 
 

@@ -86,11 +86,13 @@ class GraphSFI(PagedSFI):
         self._warm(SFIConfig(), self.free[0] if self.free else 0)
         mode = torch.zeros_like(self.row_mode[:1])
         q1, o1 = torch.zeros_like(q[:1]), torch.empty_like(out[:1])
+        # the step's ring writes as the step launches them, all to the scratch slot (nothing kept)
+        scratch = (torch.zeros_like(self.w_tok), torch.full_like(self.w_slot, self.slots), torch.zeros_like(self.w_idx))
         launches = {fast_launch(r, self.hkv, self.device, self.d) for r in range(1, self.max_rows + 1)}
         for launch in sorted(launches):
             sfi_paged_fast(q1, o1, self.ck[li], self.cv[li], self.cpos[li], key_cache, value_cache, block_table[:1],
                            mode, self.row_slot[:1], self.row_tok[:1], self.row_ws[:1], self.row_len[:1], self.scale,
-                           rows=1, launch=launch, row_cws=self.row_cws[li][:1])
+                           rows=1, launch=launch, row_cws=self.row_cws[li][:1], ring=(self.ring[li], *scratch))
 
     # -- per step, outside the graph -----------------------------------------------------------
     def refresh_due(self, cm, block_size: int) -> None:

@@ -3,9 +3,9 @@
 The eager policy (`policy.py`) plans every step in Python and launches several ops per layer, so
 the engine cannot capture its step and a GPU waits on the host. Here every per-step decision is
 made once before the step (`plan`, outside the graph) and written into persistent row tensors;
-each layer's attention inside the captured step is two launches whatever happens: the ring write
-of the step's queries and the paged fast kernel (`kernels/sfi_paged.py`), which reads, per row,
-the compact entries older than the row's window start plus the window, rows [ws, n).
+each layer's attention inside the captured step is the same launch whatever happens: the paged
+fast kernel (`kernels/sfi_paged.py`), which also writes the step's queries into their rings and
+reads, per row, the compact entries older than the row's window start plus the window, rows [ws, n).
 
 A slow step is the same launch with the window start at 0: the compact entries are all masked and
 the row attends densely over its whole history, as the paper's slow step does. Its refresh (the
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.sfi.config import SFIConfig
 from cotserve.policies.sfi.paged import W_MAX, PagedSFI, SlotState
@@ -142,11 +141,9 @@ class NativeGraphSFI(PagedSFI):
     # -- inside the step (captured) -------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """One layer's decode attention, q [B, Hq, 1, D] -> [B, Hq, 1, D]; the step's key and value
-        are already in the cache. Two launches, fixed shapes: graph-safe."""
+        are already in the cache. One launch (ring writes and attention), fixed shapes: graph-safe."""
         q3 = q[:, :, 0].contiguous()
-        self.write_ring(layer, q3)
         out = torch.empty_like(q3)  # rows of finished slots (mode 0) are left as they are: ignored
         kc, vc = self._kv(layer)
-        sfi_paged_fast(q3, out, self.ck[layer], self.cv[layer], self.cpos[layer], kc, vc, self.block_table,
-                       self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len, self.scale)
+        self.attend_fast(layer, q3, out, kc, vc, self.block_table)
         return out.unsqueeze(2)

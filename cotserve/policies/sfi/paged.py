@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cotserve.kernels.sfi_paged import ring_write
+from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.kernels.sfi_refresh import PagedLayers, pack_selection_layers, ring_logits_layers
 from cotserve.kernels.sfi_select import fused_supported, selector_scores, topk_sorted
 from cotserve.policies import selector as sel
@@ -176,10 +176,16 @@ class PagedSFI:
         self.logits_buffer(floats // 16 + floats // 256, 16)
 
     # -- inside the step (captured) -------------------------------------------------------------
-    def write_ring(self, layer: int, q: torch.Tensor) -> None:
-        """The step's query rows of SFI requests into their rings (scratch slot for the rest)."""
-        ring_write(q, self.ring[layer], self.w_tok, self.w_slot, self.w_idx)
-        for tok, slot, w in self.extra_writes:  # writes beyond the row tensors: eager steps only
+    def attend_fast(self, layer: int, q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_table: torch.Tensor, rows: int | None = None,
+                    row_cws: torch.Tensor | None = None) -> None:
+        """One layer's SFI part of the step, q and out [tokens, Hq, D]: the step's query rows of SFI
+        requests into their rings (scratch slot for the rest) and the fast rows' attention over
+        compact buffer + window into `out`, in one launch (`sfi_paged_fast` with `ring`)."""
+        sfi_paged_fast(q, out, self.ck[layer], self.cv[layer], self.cpos[layer], key_cache, value_cache, block_table,
+                       self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len, self.scale, rows=rows,
+                       row_cws=row_cws, ring=(self.ring[layer], self.w_tok, self.w_slot, self.w_idx))
+        for tok, slot, w in self.extra_writes:  # writes beyond the ring-write tensors: eager steps only
             self.ring[layer, slot, w] = q[tok]
 
     # -- refresh: evidence, selection, re-pack -------------------------------------------------

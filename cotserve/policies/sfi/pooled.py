@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cotserve.kernels.sfi_paged import sfi_paged_fast
 from cotserve.policies.boundaries import sentence_end_ids
 from cotserve.policies.options import SFIOptions, option_default
 from cotserve.policies.sfi.config import SFIConfig
@@ -169,11 +168,8 @@ class PooledSFI(PagedSFI):
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """The SFI rows' attention of one layer: q, out [rows, Hq, D] (rows: the bucket's size);
         writes out[r] of every row with mode 1. The step's keys and values are in the pool."""
-        self.write_ring(layer, q)
         kc, vc = self._kv(layer)
-        sfi_paged_fast(q, out, self.ck[layer], self.cv[layer], self.cpos[layer], kc, vc, self.block_table,
-                       self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len, self.scale,
-                       rows=q.shape[0])
+        self.attend_fast(layer, q, out, kc, vc, self.block_table, rows=q.shape[0])
 
 
 class PooledSlotSFI:
