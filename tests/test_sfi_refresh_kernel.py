@@ -115,6 +115,18 @@ def test_pack_of_nothing_marks_the_slot_empty_and_copies_nothing():
     assert torch.all(ck == 2.0) and torch.all(cv == 2.0)
 
 
+def test_pack_refuses_a_selection_larger_than_the_compact_buffer():
+    gen = torch.Generator().manual_seed(9)
+    keys, values = _layers(gen)
+    ck = cv = torch.zeros(4, 2, 3, 16, 32)
+    cpos = torch.full((4, 2, 3, 16), -1, dtype=torch.int32)
+    keep = torch.arange(4, 17).expand(1, 4, 3, 13).contiguous()
+    with pytest.raises(ValueError, match="do not fit"):
+        sr.pack_selection_layers(keep, 4, None, torch.zeros(1, 2, dtype=torch.int32), sr.PagedLayers.of(keys, values),
+                                 ck, cv, cpos, torch.tensor([0], dtype=torch.int32))
+    assert torch.all(cpos == -1)
+
+
 def test_layer_offsets_refuse_layers_that_differ():
     gen = torch.Generator().manual_seed(1)
     keys, _ = _layers(gen)

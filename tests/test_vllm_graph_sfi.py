@@ -50,7 +50,10 @@ def test_start_up_warm_up_writes_nothing_a_step_reads(setup):
     and it runs once."""
     gen, caches, cfg, g = setup
     kc, vc = caches[0].transpose(1, 2).split(D, dim=-1)  # [blocks, block, H, D] views, as the backend's
-    rows = (g.row_mode, g.row_slot, g.row_tok, g.row_ws, g.row_len, g.row_cws, g.cpos)
+    g.ring.normal_(generator=gen)  # query rows the step would read: the warm-up's writes go to the scratch slot
+    g.cpos.random_(0, 100, generator=gen)
+    # (the free slot it warms the re-pack on, slot 0, is marked empty: admission marks it so again)
+    rows = (g.row_mode, g.row_slot, g.row_tok, g.row_ws, g.row_len, g.row_cws, g.ring[:, : g.slots], g.cpos[:, 1:])
     before = [t.clone() for t in rows]
     q = torch.randn(5, HQ, D, generator=gen)
     out = torch.full((5, HQ, D), 7.0)
@@ -141,14 +144,20 @@ def test_warm_up_at_admission_leaves_other_slots_alone(setup):
     """The refresh kernels are compiled when a request is admitted; that warm-up writes only into
     the slot being admitted (replaced at its first refresh), once per set of options."""
     _, _, cfg, g = setup
-    g.ck.normal_()
-    before = g.ck.clone()
+    for t in (g.ck, g.cv, g.ring):
+        t.normal_()
+    g.cpos.random_(0, 100)
+    before = [t.clone() for t in (g.ck, g.cv, g.cpos, g.ring)]
     admitted = g.free[0]
-    g._warm(cfg)
-    g._warm(cfg)
+    g._warm(cfg, admitted)
+    g._warm(cfg, admitted)
     assert len(g._warmed) == 1
     others = [s for s in range(g.slots) if s != admitted]
-    assert torch.equal(g.ck[:, others], before[:, others])
+    for t, was in zip((g.ck, g.cv, g.cpos), before, strict=False):
+        assert torch.equal(t[:, others], was[:, others])
+    assert torch.equal(g.ring, before[3])  # the rings are only read
+    # the admitted slot: no entry copied, its positions say empty (set again at admission)
+    assert torch.equal(g.ck[:, admitted], before[0][:, admitted]) and torch.all(g.cpos[:, admitted] == -1)
 
 
 @pytest.mark.cuda
@@ -158,6 +167,7 @@ def test_no_compilation_after_the_warm_up_cuda():
     slow-step rows) and fast steps at any batch size compile no new kernel variant: nothing is
     compiled inside a decode step."""
     from cotserve.kernels import sfi_paged as sp
+    from cotserve.kernels import sfi_refresh as sr
     from cotserve.kernels import sfi_select as ss
 
     dev = torch.device("cuda")
@@ -165,7 +175,7 @@ def test_no_compilation_after_the_warm_up_cuda():
               for _ in range(2)]
     g = GraphSFI(layers, 32, 8, 128, 0.088, torch.bfloat16, dev, slots=2, max_rows=8, rows=BatchRows())
     cfg = SFIConfig()
-    kernels = (ss._head_kernel, ss._mix_kernel, sp._paged_logits_kernel, sp._pack_kernel)
+    kernels = (ss._head_kernel, ss._mix_kernel, sr._ring_logits_kernel, sr._pack_kernel)
 
     def compiled():
         return [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
@@ -179,16 +189,17 @@ def test_no_compilation_after_the_warm_up_cuda():
     kernels = (*kernels, sp._sfi_fast_kernel, sp._sfi_fast_split_kernel, sp._sfi_combine_kernel)
     before = compiled()
     for n in (4097, 4104, 5000, 4096, 2500):
-        blocks = torch.randperm(700, device=dev)[: -(-n // 16)].view(1, -1).to(torch.int32)
-        for lo in (n - 16, n - 1):
-            ring_pos = [n - 16 + ((i - n) % 16) for i in range(16)]
-            g.refresh([SlotState(cfg, RefreshTrigger(), n, slot=0, ring_pos=ring_pos, refresh_n=n, refresh_lo=lo)],
-                      blocks, 16)
-    for rows in range(1, 9):  # the fast step at every batch size
-        sp.sfi_paged_fast(torch.zeros(rows, 32, 128, device=dev, dtype=torch.bfloat16),
-                          torch.zeros(rows, 32, 128, device=dev, dtype=torch.bfloat16), g.ck[0], g.cv[0], g.cpos[0],
-                          kc0, vc0, bt[:rows], g.row_mode, g.row_slot, g.row_tok, g.row_ws, g.row_len, 0.088,
-                          rows=rows, row_cws=g.row_cws[0])
+        # a block table of an odd width, as a step's may be: its rows 1..3 are not 16-byte aligned
+        table = torch.randint(0, 700, (4, -(-n // 16) | 1), device=dev, dtype=torch.int32)
+        for row in range(4):
+            for lo in (n - 16, n - 1):
+                ring_pos = [n - 16 + ((i - n) % 16) for i in range(16)]
+                st = SlotState(cfg, RefreshTrigger(), n, slot=0, ring_pos=ring_pos, refresh_n=n, refresh_lo=lo)
+                g.refresh_all([(st, table[row])], 16)
+    for rows in range(1, 9):  # the fast step at every batch size, q a view into a fused qkv as vLLM's is
+        qkv = torch.zeros(rows, (32 + 16) * 128, device=dev, dtype=torch.bfloat16)
+        g.attend_fast(0, qkv[:, : 32 * 128].view(rows, 32, 128), torch.zeros(rows, 32, 128, device=dev,
+                      dtype=torch.bfloat16), kc0, vc0, bt[:rows], rows=rows, row_cws=g.row_cws[0])
     torch.cuda.synchronize()
     assert compiled() == before
 
@@ -496,6 +507,31 @@ def test_logits_buffer_is_one_padded_storage(setup):
     c = g.logits_buffer(4096, 33)  # more than it holds: a bigger storage
     assert c.shape == (4096, 33) and c.stride(0) == 48
     assert g.logits_buffer(1, 1).data_ptr() == c.data_ptr()
+
+
+@pytest.mark.parametrize("width", [12, 13])
+def test_a_refresh_hands_the_kernels_aligned_block_rows(setup, width):
+    """Triton compiles a kernel per pointer alignment, and the warm-up compiled it for an aligned block
+    row: a one-request refresh passes its row of the step's block table as a view only where that row
+    is 16-byte aligned, else a copy (also aligned); several requests' rows are stacked (a copy)."""
+    gen, caches, cfg, g = setup
+    handed = []
+    refresh = g.refresh
+    g.refresh = lambda states, blocks, bs: (handed.append(blocks), refresh(states, blocks, bs))
+    table = torch.stack([torch.randperm(NB, generator=gen)[:width] for _ in range(4)]).to(torch.int32)
+    n = 150
+
+    def state(slot):
+        return SlotState(cfg, RefreshTrigger(), n, slot=slot, ring_pos=[n - 8 + ((i - n) % 8) for i in range(8)],
+                         refresh_n=n, refresh_lo=n - cfg.obs_window)
+
+    for row in range(4):
+        g.refresh_all([(state(1), table[row])], BS)
+    g.refresh_all([(state(1), table[1]), (state(2), table[2])], BS)
+    assert all(b.data_ptr() % 16 == 0 for b in handed)
+    views = [b.data_ptr() == table[row].data_ptr() for row, b in zip(range(4), handed, strict=False)]
+    assert views == [row * width * 4 % 16 == 0 for row in range(4)]  # a view exactly where it is aligned
+    assert torch.equal(handed[-1], table[1:3]) and all(torch.equal(b[0], table[r]) for r, b in enumerate(handed[:4]))
 
 
 class _Ops(TorchDispatchMode):

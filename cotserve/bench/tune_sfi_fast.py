@@ -51,7 +51,9 @@ class Inputs:
         self.ws = self.lens - window
         # the decode step's ring writes, done by the same launch: each row's query into its slot's ring
         self.ring = torch.zeros(rows + 1, 32, hkv * g, d, device=dev, dtype=torch.bfloat16)
-        writes = torch.arange(4 * rows, device=dev)  # room for 4 a row, as vLLM's runtime makes it
+        from cotserve.bench.vllm_parts import RING_WRITES
+
+        writes = torch.arange(RING_WRITES, device=dev)
         self.w_tok = writes % rows
         self.w_slot = torch.where(writes < rows, self.w_tok, rows)  # the rest to the scratch slot
         self.w_idx = torch.zeros_like(writes)

@@ -20,6 +20,10 @@ from types import SimpleNamespace
 
 import torch
 
+# the ring-write entries a served step's fast-step launch walks: 4 a row of the 128 rows vLLM's runtime
+# keeps at --max-num-seqs 64 (its largest captured batch); one per decode row is a real write
+RING_WRITES = 512
+
 
 def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int = 2112, window: int = 256,
                 context: int = 8192, bs: int = 16) -> dict:
@@ -46,8 +50,8 @@ def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int =
         moved = rows * hkv * (c + window) * d * 2 * 2
         res[name] = {"ms": round(ms, 4), "GB/s": round(moved / ms / 1e6, 1)}
     ring = torch.zeros(rows + 1, 32, hkv * g, d, device=dev, dtype=torch.bfloat16)
-    w_tok = torch.arange(rows * 4, device=dev) % rows
-    w_slot = torch.where(torch.arange(rows * 4, device=dev) < rows, w_tok, rows)
+    w_tok = torch.arange(RING_WRITES, device=dev) % rows
+    w_slot = torch.where(torch.arange(RING_WRITES, device=dev) < rows, w_tok, rows)
     w_idx = torch.zeros_like(w_tok)
     res["ring_write"] = {"triton_ms": round(graph_ms(lambda: ring_write(q, ring, w_tok, w_slot, w_idx)), 4),
                          "torch_ms": round(graph_ms(lambda: ring_write_reference(q, ring, w_tok, w_slot, w_idx)), 4)}

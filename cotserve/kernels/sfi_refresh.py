@@ -223,7 +223,7 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)  # compact entries
         inb = e < C
-        ok = e < ns + k
+        ok = (e < ns + k) & inb  # entries past the compact buffer (never asked for) are not written
         sink = e < ns
         kept = tl.load(KEEP + j * sk_j + li * sk_l + h * sk_h + (e - ns), mask=ok & (e >= ns), other=0)
         pos = tl.where(sink, e.to(tl.int64), kept.to(tl.int64))  # the entry's index in the cache
@@ -258,6 +258,8 @@ def pack_selection_layers(keep: torch.Tensor, ns: int, tpos: torch.Tensor | None
     j, nl, h, k = keep.shape
     kc, vc = layers.keys[0], layers.values[0]
     c = cpos.shape[-1]
+    if ns + k > c:
+        raise ValueError(f"{ns} sinks + {k} selected entries do not fit a compact buffer of {c}")
     for t in (keep, kc, vc, ck, cv, cpos):
         assert t.stride(-1) == 1
     tp = keep if tpos is None else tpos  # an int64 pointer either way (unread without positions)

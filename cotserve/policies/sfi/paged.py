@@ -202,8 +202,11 @@ class PagedSFI:
             per = max(1, REFRESH_FLOATS // max(1, self.hq * len(rows) * n))
             for a in range(0, len(group), per):
                 part = group[a : a + per]
-                # one request's block row as a view (no copy launched), several stacked
-                bt = part[0][1].unsqueeze(0) if len(part) == 1 else torch.stack([b for _, b in part])
+                # one request's block row as a view (no copy launched) where it is 16-byte aligned, as the
+                # warm-up's is (Triton compiles a kernel per pointer alignment); else stacked (a fresh tensor)
+                row = part[0][1]
+                bt = row.unsqueeze(0) if len(part) == 1 and row.data_ptr() % 16 == 0 else torch.stack(
+                    [b for _, b in part])
                 self.refresh([st for st, _ in part], bt, block_size)
 
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
