@@ -1,9 +1,10 @@
 """SFI's refresh on vLLM's paged cache in few launches: the evidence's logits, read straight from the
 rings of query rows, and the re-pack of the selection, positions included.
 
-A refresh is issued by the host between two steps; at a slow step's rate (a few per step at 16
-requests) its launches are what the host spends on it, so each part is one launch over every layer
-(or every layer of a chunk) and every request of the refresh:
+A refresh is issued by the host between two steps (one follows each slow step: about one decode step
+in six at 16 requests, each request's refresh budget being 64 steps); its launches are what the host
+spends on it, so each part is one launch over every layer (or every layer of a chunk) and every
+request of the refresh:
 
 * `ring_logits_layers`: for layers l0 .. l0+nl-1 of J requests, each KV head's G x R query rows,
   gathered from the rings ([L, slots + 1, W, Hq, D]: slot `slots[j]`, ring indices `ridx`) and
