@@ -10,6 +10,9 @@
 #   replay-stock    stock vLLM (no plugin), dense, 32,768 x 16 and 131,072 x 4, 512 new tokens
 #   replay-sfi      the plugin's SFI rows, same shapes, tokens replayed from MATH solutions
 #   fidelity        the bundled model's real weights, unpacked: CUDA fidelity of five policies against dense
+#   parts WHEELS    on a bare machine (no vLLM staged): cotserve's pydantic/dill wheels from the carried folder
+#                   WHEELS, then the CUDA tests of SFI's kernels and runtime and the no-vLLM timings (vllm_parts:
+#                   launch costs, refreshes' GPU against host time, the fast step; vllm_plan; a refresh's profile)
 # Outputs go to $OUT.
 set -u
 export PYTHONPATH=/root/vsite:/root/xsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -39,5 +42,12 @@ case ${1:?phase} in
     python3 -m cotserve.cli bench fidelity --engine vllm --model /root/model/model --policy sfi,skipkv,rkv,h2o,skipkv+sfi \
       --context 4096 --steps 128 --batch 2 --data-dir $DATA --gpu-memory-utilization 0.5 --json $OUT/fidelity-cuda.json 2>&1 \
       | grep -vE "it/s|Loading" | tail -25 ;;
-  *) echo "usage: extra.sh setup|part|replay-stock|replay-sfi|fidelity-native|fidelity"; exit 2 ;;
+  parts) python3 -m pip install -q --no-index --no-deps --target /tmp/site "${2:?wheels folder}"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+    timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_vllm_graph_sfi.py tests/test_sfi_paged_kernel.py \
+      tests/test_sfi_select_kernel.py 2>&1 | tail -15 | tee $OUT/cuda-tests.txt
+    { python3 -m cotserve.bench.vllm_parts --launches; python3 -m cotserve.bench.vllm_parts --refresh 1 16384 1 32768 4 16384
+      python3 -m cotserve.bench.vllm_parts; python3 -m cotserve.bench.vllm_plan; } 2>&1 | grep '^{' | tee $OUT/parts.jsonl
+    python3 -m cotserve.bench.vllm_parts --profile 1 16384 > $OUT/refresh-profile.txt 2>&1; tail -30 $OUT/refresh-profile.txt ;;
+  *) echo "usage: extra.sh setup|part|replay-stock|replay-sfi|fidelity-native|fidelity|parts"; exit 2 ;;
 esac
