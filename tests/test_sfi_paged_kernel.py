@@ -47,12 +47,24 @@ def test_kernel_matches_reference(seed, splits):
     assert not torch.any(out[fast_toks] == 7.0)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_kernel_does_the_steps_ring_writes_in_the_same_launch(splits):
+def test_ring_write_reference():
+    """The twin the fused writes are tested against: rows of a strided q (vLLM's is a view into the
+    fused qkv) land in their (slot, index); tokens past the end are clamped to the last."""
+    gen = torch.Generator().manual_seed(3)
+    t, hq, d, slots, w = 5, 4, 8, 3, 6
+    q = torch.randn(t, hq * d + 2 * d, generator=gen)[:, : hq * d].view(t, hq, d)
+    ring = torch.zeros(slots + 1, w, hq, d)
+    sp.ring_write_reference(q, ring, torch.tensor([0, 4, 9]), torch.tensor([1, 0, 2]), torch.tensor([5, 0, 2]))
+    assert torch.equal(ring[1, 5], q[0]) and torch.equal(ring[0, 0], q[4]) and torch.equal(ring[2, 2], q[4])
+    assert int((ring.abs().sum((-1, -2)) > 0).sum()) == 3
+
+
+@pytest.mark.parametrize("splits,strided_ring", [(1, False), (2, False), (1, True)])
+def test_kernel_does_the_steps_ring_writes_in_the_same_launch(splits, strided_ring):
     """With `ring`, the fast-step launch also does the step's ring writes, spread over its programs:
-    more writes than programs, from a strided q (vLLM's is a view into the fused qkv), tokens past
-    the end clamped, scratch-slot writes skipped; the ring ends as `ring_write_reference` leaves it
-    and the attention output is unchanged."""
+    more writes than programs, from a strided q (vLLM's is a view into the fused qkv), into a ring
+    whose heads may lie apart, tokens past the end clamped, scratch-slot writes skipped; the ring
+    ends as `ring_write_reference` leaves it and the attention output is unchanged."""
     q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = _case(3)
     t, hq, d = q.shape
     qkv = torch.cat([q.reshape(t, hq * d), torch.randn(t, 2 * d)], dim=1)
@@ -72,7 +84,7 @@ def test_kernel_does_the_steps_ring_writes_in_the_same_launch(splits):
     assert int((w_slot < slots).sum()) >= 10 and int((w_slot == slots).sum()) >= 1
     want = torch.zeros(slots + 1, w, hq, d)
     sp.ring_write_reference(qv, want, w_tok, w_slot, w_idx)
-    got = torch.zeros(slots + 1, w, hq, d)
+    got = torch.zeros(slots + 1, w, hq, d + 8)[..., :d] if strided_ring else torch.zeros(slots + 1, w, hq, d)
     poison = torch.full_like(q, 7.0)
     out = sp.sfi_paged_fast(qv, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16,
                             splits=splits, ring=(got, w_tok, w_slot, w_idx))
@@ -159,22 +171,3 @@ def test_kernel_matches_reference_cuda_bf16():
                                 splits=splits, row_cws=cws.to(dev))
         err = (out.float() - ref.float()).norm() / ref.float().norm()
         assert err < 1e-2, err
-
-
-def test_ring_write_matches_reference():
-    """Rows of a strided q (vLLM's q is a view into the fused qkv) land in their (slot, index);
-    writes to the scratch slot are dropped; tokens past the end are clamped to the last."""
-    gen = torch.Generator().manual_seed(3)
-    t, hq, d, slots, w = 5, 4, 8, 3, 6
-    qkv = torch.randn(t, hq * d + 2 * d, generator=gen)
-    q = qkv[:, : hq * d].view(t, hq, d)
-    w_tok = torch.tensor([0, 4, 2, 9, 1], dtype=torch.long)
-    w_slot = torch.tensor([1, 0, slots, 2, slots], dtype=torch.long)
-    w_idx = torch.tensor([5, 0, 3, 2, 1], dtype=torch.long)
-    want = torch.zeros(slots + 1, w, hq, d)
-    sp.ring_write_reference(q, want, w_tok, w_slot, w_idx)
-    got = torch.zeros(slots + 1, w, hq, d)
-    sp.ring_write(q, got, w_tok, w_slot, w_idx)
-    assert torch.equal(got[:slots], want[:slots])
-    assert torch.equal(got[1, 5], q[0]) and torch.equal(got[2, 2], q[4])  # token 9 clamped to the last
-    assert torch.all(got[slots] == 0)  # scratch writes skipped

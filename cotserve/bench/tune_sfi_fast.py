@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from cotserve.bench.vllm_parts import RING_WRITES
 from cotserve.kernels.sfi_launch import FastLaunch, heuristic_splits
 
 SHAPES = (8, 4, 128, 2112, 256, 16384, 16)  # KV heads, group, head dim, compact entries, window, context, block
@@ -51,8 +52,6 @@ class Inputs:
         self.ws = self.lens - window
         # the decode step's ring writes, done by the same launch: each row's query into its slot's ring
         self.ring = torch.zeros(rows + 1, 32, hkv * g, d, device=dev, dtype=torch.bfloat16)
-        from cotserve.bench.vllm_parts import RING_WRITES
-
         writes = torch.arange(RING_WRITES, device=dev)
         self.w_tok = writes % rows
         self.w_slot = torch.where(writes < rows, self.w_tok, rows)  # the rest to the scratch slot

@@ -2,7 +2,7 @@
 
 * the paged fast-step kernel (`kernels.sfi_paged`) against FlashAttention-sized reads: rows x
   KV heads x (compact + window) entries, with the bytes it must move and the bandwidth reached;
-  the ring write alone, and the fast step with the ring writes in its own launch (as served);
+  and the same with the step's ring writes in its launch, as served (`auto_with_ring_writes`);
 * a batched refresh (`GraphSFI.refresh`: evidence, selector, re-pack) of J requests of n entries
   over every layer, on random caches in vLLM's FlashAttention layout: its GPU time (`ms`, CUDA events)
   and the host's time to issue it (`host_ms`; where it exceeds `ms`, the host is what a refresh waits on).
@@ -27,7 +27,7 @@ RING_WRITES = 512
 
 def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int = 2112, window: int = 256,
                 context: int = 8192, bs: int = 16) -> dict:
-    from cotserve.kernels.sfi_paged import ring_write, ring_write_reference, sfi_paged_fast
+    from cotserve.kernels.sfi_paged import sfi_paged_fast
 
     dev = torch.device("cuda")
     nb = rows * (context // bs + 1)
@@ -53,9 +53,7 @@ def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int =
     w_tok = torch.arange(RING_WRITES, device=dev) % rows
     w_slot = torch.where(torch.arange(RING_WRITES, device=dev) < rows, w_tok, rows)
     w_idx = torch.zeros_like(w_tok)
-    res["ring_write"] = {"triton_ms": round(graph_ms(lambda: ring_write(q, ring, w_tok, w_slot, w_idx)), 4),
-                         "torch_ms": round(graph_ms(lambda: ring_write_reference(q, ring, w_tok, w_slot, w_idx)), 4)}
-    # as vLLM's backend launches it: the ring writes done by the fast step's own launch
+    # as vLLM's backend launches it: the step's ring writes done by the same launch (against "auto": their cost)
     res["auto_with_ring_writes"] = {"ms": round(graph_ms(lambda: sfi_paged_fast(
         q, out, ck, cv, cpos, kc, vc, bt, mode, slot, slot, ws, lens, 0.088, ring=(ring, w_tok, w_slot, w_idx))), 4)}
     return {"part": "fast_kernel", "timing": "cuda graph", "rows": rows, "entries": c + window, **res}
@@ -123,19 +121,29 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
 
 def time_launches(reps: int = 2000) -> dict:
     """The host's time per launch on this machine (microseconds, the GPU not waited for): a small torch
-    op, a small Triton kernel (`ring_write`, a dozen arguments), and the refresh's top-K of 2,048 over
-    288 rows of 16,384 entries (`topk_sorted`). One request's refresh makes a host-to-device copy, four Triton
-    launches and the top-K with its sort (per chunk of layers: the logits, the selector and the top-K)."""
-    from cotserve.kernels.sfi_paged import ring_write
+    op, the fast step's Triton launch (~45 arguments; one row, nothing to read), and the refresh's top-K
+    of 2,048 over 288 rows of 16,384 entries (`topk_sorted`). One request's refresh makes a host-to-device
+    copy, four Triton launches and the top-K with its sort (per chunk of layers: the logits, the selector
+    and the top-K)."""
+    from cotserve.kernels.sfi_paged import sfi_paged_fast
     from cotserve.kernels.sfi_select import topk_sorted
 
     dev = torch.device("cuda")
     x = torch.zeros(16, device=dev)
-    q = torch.zeros(4, 32, 128, device=dev, dtype=torch.bfloat16)
-    ring = torch.zeros(5, 32, 32, 128, device=dev, dtype=torch.bfloat16)
-    w = torch.zeros(16, dtype=torch.long, device=dev)
+    q = torch.zeros(1, 32, 128, device=dev, dtype=torch.bfloat16)
+    ck = torch.zeros(1, 8, 64, 128, device=dev, dtype=torch.bfloat16)
+    cpos = torch.full((1, 8, 64), -1, dtype=torch.int32, device=dev)
+    kc = torch.zeros(2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+    one = torch.zeros(1, dtype=torch.int32, device=dev)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    ring = torch.zeros(2, 32, 32, 128, device=dev, dtype=torch.bfloat16)
+    w = torch.zeros(RING_WRITES, dtype=torch.long, device=dev)
+
+    def fast() -> None:  # row mode 0: every program leaves at once
+        sfi_paged_fast(q, q, ck, ck, cpos, kc, kc, bt, one, one, one, one, one, 0.088, ring=(ring, w, w + 1, w))
+
     scores = torch.randn(288, 16384, device=dev)
-    cases = {"torch_add_us": (lambda: x.add_(1.0), reps), "triton_ring_write_us": (lambda: ring_write(q, ring, w, w, w), reps),
+    cases = {"torch_add_us": (lambda: x.add_(1.0), reps), "triton_fast_step_us": (fast, reps),
              "topk_sorted_2048_us": (lambda: topk_sorted(scores, 2048), 50)}
     out: dict = {"part": "launch_host_time"}
     for name, (fn, n) in cases.items():

@@ -11,7 +11,9 @@ group attend over two segments in one online softmax:
 * the recent window, positions [ws, n), read in place from vLLM's paged cache through the
   row's block table (`key_cache`, `value_cache` [blocks, block_size, Hkv, D]).
 
-Rows with any other mode are left untouched (vLLM's FlashAttention has written them). One program
+Rows with any other mode are left untouched (vLLM's FlashAttention has written them). Given the
+step's ring writes (`ring`), the same launch also copies the step's query rows of SFI requests into
+their rings (`ring_write_reference`), the copies spread over its programs. One program
 per (row, KV head) with a fixed grid, so the launch is the same at every step and can live inside
 a CUDA graph; what changes per step is only the contents of the row tensors.
 
@@ -119,7 +121,7 @@ if HAVE_TRITON:
         return (q.to(tl.float32) * scale).to(dtype)
 
     @triton.jit
-    def _ring_writes(Q, RING, W_TOK, W_SLOT, W_IDX, pid, nprog, nw, t, scratch, sq_t, sq_h, sr_s, sr_w,
+    def _ring_writes(Q, RING, W_TOK, W_SLOT, W_IDX, pid, nprog, nw, t, scratch, sq_t, sq_h, sr_s, sr_w, sr_h,
                      D: tl.constexpr, HD: tl.constexpr, WBLOCK: tl.constexpr):
         """The step's ring writes i = pid, pid + nprog, ... < nw (`ring_write_reference`'s contract):
         token W_TOK[i]'s query row (clamped to the last token) into (W_SLOT[i], W_IDX[i]) of this
@@ -133,13 +135,13 @@ if HAVE_TRITON:
                     offs = start + tl.arange(0, WBLOCK)
                     ok = offs < HD
                     x = tl.load(Q + tok * sq_t + (offs // D) * sq_h + offs % D, mask=ok)
-                    tl.store(RING + slot.to(tl.int64) * sr_s + w * sr_w + offs, x, mask=ok)
+                    tl.store(RING + slot.to(tl.int64) * sr_s + w * sr_w + (offs // D) * sr_h + offs % D, x, mask=ok)
 
     @triton.jit(do_not_specialize=["nw", "t", "scratch"])
     def _sfi_fast_kernel(Q, Out, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
                          CWS, scw_r, scw_h, sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
                          skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
-                         RING, W_TOK, W_SLOT, W_IDX, nw, t, scratch, sr_s, sr_w,
+                         RING, W_TOK, W_SLOT, W_IDX, nw, t, scratch, sr_s, sr_w, sr_h,
                          C: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, RING_WRITES: tl.constexpr, HD: tl.constexpr,
                          WBLOCK: tl.constexpr):
@@ -147,7 +149,8 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         if RING_WRITES:
             _ring_writes(Q, RING, W_TOK, W_SLOT, W_IDX, row * tl.num_programs(1) + h,
-                         tl.num_programs(0) * tl.num_programs(1), nw, t, scratch, sq_t, sq_h, sr_s, sr_w, D, HD, WBLOCK)
+                         tl.num_programs(0) * tl.num_programs(1), nw, t, scratch, sq_t, sq_h, sr_s, sr_w, sr_h, D, HD,
+                         WBLOCK)
         if tl.load(ROW_MODE + row) == 1:
             slot = tl.load(ROW_SLOT + row).to(tl.int64)
             ws = tl.load(ROW_WS + row)
@@ -172,7 +175,7 @@ if HAVE_TRITON:
     def _sfi_fast_split_kernel(Q, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
                                CWS, scw_r, scw_h, PM, PL, PACC, sq_t, sq_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
                                skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
-                               RING, W_TOK, W_SLOT, W_IDX, nw, t, scratch, sr_s, sr_w,
+                               RING, W_TOK, W_SLOT, W_IDX, nw, t, scratch, sr_s, sr_w, sr_h,
                                C: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr, G: tl.constexpr,
                                GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                                RING_WRITES: tl.constexpr, HD: tl.constexpr, WBLOCK: tl.constexpr):
@@ -183,8 +186,8 @@ if HAVE_TRITON:
         sp = tl.program_id(2)
         if RING_WRITES:
             _ring_writes(Q, RING, W_TOK, W_SLOT, W_IDX, (row * tl.num_programs(1) + h) * NS + sp,
-                         tl.num_programs(0) * tl.num_programs(1) * NS, nw, t, scratch, sq_t, sq_h, sr_s, sr_w, D, HD,
-                         WBLOCK)
+                         tl.num_programs(0) * tl.num_programs(1) * NS, nw, t, scratch, sq_t, sq_h, sr_s, sr_w, sr_h, D,
+                         HD, WBLOCK)
         if tl.load(ROW_MODE + row) == 1:
             slot = tl.load(ROW_SLOT + row).to(tl.int64)
             ws = tl.load(ROW_WS + row)
@@ -246,19 +249,18 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     the window) and combines their partial softmaxes in a second launch. The launch (splits, entries a
     block, warps, stages) is `launch`, else `sfi_launch.fast_launch` for the batch size; `splits` and
     `block_n`, when given, replace its own. `ring` = (this layer's ring [slots + 1, W, Hq, D], w_tok,
-    w_slot, w_idx): the step's ring writes (`ring_write`) done by the same launch, spread over its
-    programs (one launch less per layer); None leaves the rings alone."""
-    if ring is not None and not (HAVE_TRITON and ring[0].stride(3) == 1 and ring[0].stride(2) == ring[0].shape[3]):
-        ring_write(q, *ring)  # no Triton, or a ring whose (Hq, D) rows are not contiguous: its own launch
-        ring = None
+    w_slot, w_idx): the step's ring writes (`ring_write_reference`'s contract) done by the same launch,
+    spread over its programs; None leaves the rings alone."""
     if not HAVE_TRITON:
+        if ring is not None:
+            ring_write_reference(q, *ring)
         return sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode,
                                         row_slot, row_tok, row_ws, row_len, scale, row_cws)
     hkv, c, d = ck.shape[1], ck.shape[2], ck.shape[3]
     g = q.shape[1] // hkv
     gp = max(16, triton.next_power_of_2(g))
     rows = row_mode.shape[0] if rows is None else rows
-    for t in (q, out, ck, cv, key_cache, value_cache):
+    for t in (q, out, ck, cv, key_cache, value_cache, *(() if ring is None else ring[:1])):
         assert t.stride(-1) == 1, "the head dim must be contiguous"
     common = (ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2), cpos.stride(0),
               cpos.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
@@ -266,11 +268,12 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     cws = (row_ws, row_ws.stride(0), 0) if row_cws is None else (row_cws, row_cws.stride(0), row_cws.stride(1))
     launch = launch or fast_launch(rows, hkv, q.device, d)
     if ring is None:  # unread (RING_WRITES off): pointers of the right kinds
-        writes = (q, row_slot, row_slot, row_slot, 0, q.shape[0], 0, 0, 0)
+        writes = (q, row_slot, row_slot, row_slot, 0, q.shape[0], 0, 0, 0, 0)
         wconst = {"RING_WRITES": False, "HD": d, "WBLOCK": 16}
     else:
         rg, w_tok, w_slot, w_idx = ring
-        writes = (rg, w_tok, w_slot, w_idx, w_tok.shape[0], q.shape[0], rg.shape[0] - 1, rg.stride(0), rg.stride(1))
+        writes = (rg, w_tok, w_slot, w_idx, w_tok.shape[0], q.shape[0], rg.shape[0] - 1, rg.stride(0), rg.stride(1),
+                  rg.stride(2))
         hd = q.shape[1] * d
         wconst = {"RING_WRITES": True, "HD": hd, "WBLOCK": min(1024, triton.next_power_of_2(hd))}
     ns = launch.splits if splits is None else splits
@@ -302,33 +305,3 @@ def ring_write_reference(q: torch.Tensor, ring: torch.Tensor, w_tok: torch.Tenso
     q [tokens, Hq, D], ring [slots + 1, W, Hq, D]; writes to the last slot are scratch)."""
     idx = w_tok.clamp(max=q.shape[0] - 1)
     ring.index_put_((w_slot, w_idx), q[idx])
-
-
-if HAVE_TRITON:
-
-    @triton.jit(do_not_specialize=["t", "scratch"])
-    def _ring_write_kernel(Q, RING, W_TOK, W_SLOT, W_IDX, t, scratch, sq_t, sr_s, sr_w, HD: tl.constexpr,
-                           BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        slot = tl.load(W_SLOT + i)
-        if slot < scratch:  # writes of dense rows go to the scratch slot: nothing to keep
-            tok = tl.minimum(tl.load(W_TOK + i), t - 1).to(tl.int64)
-            w = tl.load(W_IDX + i)
-            for start in tl.static_range(0, HD, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                x = tl.load(Q + tok * sq_t + offs, mask=offs < HD)
-                tl.store(RING + slot * sr_s + w * sr_w + offs, x, mask=offs < HD)
-
-
-def ring_write(q: torch.Tensor, ring: torch.Tensor, w_tok: torch.Tensor, w_slot: torch.Tensor,
-               w_idx: torch.Tensor) -> None:
-    """Triton form of `ring_write_reference` (one launch; scratch-slot writes skipped). q's rows and
-    the ring's (slot, index) rows must be contiguous over (Hq, D)."""
-    hd = q.shape[1] * q.shape[2]
-    if not HAVE_TRITON or not (q.stride(2) == 1 and q.stride(1) == q.shape[2] and ring.stride(2) == q.shape[2]
-                               and ring.stride(3) == 1):
-        ring_write_reference(q, ring, w_tok, w_slot, w_idx)
-        return
-    _ring_write_kernel[(w_tok.shape[0],)](q, ring, w_tok, w_slot, w_idx, q.shape[0], ring.shape[0] - 1, q.stride(0),
-                                          ring.stride(0), ring.stride(1), HD=hd,
-                                          BLOCK=min(4096, triton.next_power_of_2(hd)))

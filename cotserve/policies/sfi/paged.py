@@ -62,6 +62,17 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return t.to(device)
 
 
+def ring_rows(row_pos: list[int], ring_idx: list[int], slots: list[int], device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A refresh's ring rows (their positions and ring indices) and its requests' slots on `device`
+    as int32, in one transfer (`to_device`), each part starting 16 bytes apart from the first: Triton
+    compiles a kernel per pointer alignment, and these are always aligned, as the warm-up's are."""
+    r, r4 = len(row_pos), -(-len(row_pos) // 4) * 4
+    pad = [0] * (r4 - r)
+    host = to_device([*row_pos, *pad, *ring_idx, *pad, *slots], torch.int32, device)
+    return host[:r], host[r4 : r4 + r], host[2 * r4 : 2 * r4 + len(slots)]
+
+
 def padded(*shape: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """An uninitialized tensor of `shape` whose rows are allocated to a multiple of 16 entries: the
     strides the refresh kernels see are then multiples of 16 whatever the length, so Triton
@@ -246,12 +257,7 @@ class PagedSFI:
             st.refresh_n = st.refresh_hi = 0
             st.refresh_pos = st.refresh_blocks = None
         dev = self.device
-        # the ring rows' positions and indices and the slots in one transfer, each part 16-byte aligned
-        # (Triton compiles one variant of the kernels that read them)
-        r4 = -(-r // 4) * 4
-        host = to_device([*rp, *[0] * (r4 - r), *idx, *[0] * (r4 - r), *(st.slot for st in states)],
-                         torch.int32, dev)
-        row_pos, ridx, slots = host[:r], host[r4 : r4 + r], host[2 * r4 : 2 * r4 + j]
+        row_pos, ridx, slots = ring_rows(rp, idx, [st.slot for st in states], dev)
         chunk = max(1, min(self.L, budget // max(1, j * self.hq * r * n)))
         fused = fused_supported(cfg) and tpos is None  # the fused selector's prior reads indices as positions
         views = self.paged_layers()
@@ -304,12 +310,10 @@ class PagedSFI:
         bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         n = views.keys[0].shape[1]  # one block
         for rows in sorted({cfg.obs_window, cfg.prefill_window}):
-            host = torch.zeros(2 * -(-rows // 4) * 4 + 1, dtype=torch.int32, device=dev)
-            r4 = -(-rows // 4) * 4
-            row_pos, ridx, slot_t = host[:rows], host[r4 : r4 + rows], host[2 * r4 :]
+            row_pos, ridx, scratch = ring_rows([0] * rows, [0] * rows, [self.slots], dev)  # reads the scratch slot
             logits, norms = padded(1, 1, self.hkv, self.g * rows, n, device=dev), padded(1, 1, self.hkv, n, device=dev)
-            ring_logits_layers(self.ring, slot_t.fill_(self.slots), ridx, row_pos, self.scale, views, 0, 1, bt, n,
-                               logits, norms, causal=True)
+            ring_logits_layers(self.ring, scratch, ridx, row_pos, self.scale, views, 0, 1, bt, n, logits, norms,
+                               causal=True)
             if fused_supported(cfg):
                 topk_sorted(selector_scores(cfg, logits[:, 0], norms[:, 0], n - 1), 1)
         # the re-pack of nothing into the slot being admitted (no entry copied; its positions say empty)
