@@ -35,7 +35,8 @@ def test_an_idle_gap_is_no_steps_time_and_writes_the_counters_so_far():
     # the run's last step sits inside the 30-s gap: counted as idle
     assert lines == [{"prompt_steps": 1, "prompt_steps_s": 0.1, "decode_steps": 1, "decode_steps_s": 0.02,
                       "idle_gaps": 1, "decode_refresh_steps": 0, "decode_refresh_steps_s": 0.0,
-                      "decode_slow_steps": 0, "decode_slow_steps_s": 0.0}]
+                      "decode_slow_steps": 0, "decode_slow_steps_s": 0.0, "decode_sfi_steps": 0,
+                      "decode_sfi_steps_s": 0.0}]
     c = clock.counters()
     assert (c["prompt_steps"], c["decode_steps"], c["idle_gaps"]) == (2, 1, 1)
     assert step_counters(clock) == {"step_clock": c} and step_counters(None) == {}
@@ -44,17 +45,20 @@ def test_an_idle_gap_is_no_steps_time_and_writes_the_counters_so_far():
 def test_decode_steps_are_told_apart_by_what_their_plan_did():
     now = [0.0]
     clock = StepClock(clock=lambda: now[0])
-    # (max query len, refreshes, slow rows, seconds): a refresh step counts as such even with a slow row;
-    # a prompt-carrying step is never a refresh or slow step
-    for max_q, refreshes, slow, dt in ((64, 1, 0, 0.2), (1, 0, 0, 0.005), (1, 0, 2, 0.006), (1, 1, 0, 0.009),
-                                       (1, 2, 1, 0.01), (1, 0, 0, 0.005), (1, 0, 0, 0.0)):
+    # (max query len, refreshes, slow rows, SFI rows, seconds): a refresh step counts as such even with a
+    # slow row, a slow step as such among fast rows; a prompt-carrying step is none of them; a step with
+    # no SFI row (a dense run's) is only a decode step
+    for max_q, refreshes, slow, sfi, dt in ((64, 1, 0, 3, 0.2), (1, 0, 0, 0, 0.005), (1, 0, 2, 4, 0.006),
+                                            (1, 1, 0, 4, 0.009), (1, 2, 1, 4, 0.01), (1, 0, 0, 4, 0.004),
+                                            (1, 0, 0, 2, 0.003), (1, 0, 0, 0, 0.0)):
         clock.mark(_step(max_q))
-        clock.note(refreshes, slow)
+        clock.note(refreshes, slow, sfi)
         now[0] += dt
     c = clock.counters()
-    assert (c["decode_steps"], c["decode_refresh_steps"], c["decode_slow_steps"]) == (5, 2, 1)
+    assert (c["decode_steps"], c["decode_refresh_steps"], c["decode_slow_steps"], c["decode_sfi_steps"]) == (6, 2, 1, 2)
     assert c["decode_refresh_steps_s"] == pytest.approx(0.019) and c["decode_slow_steps_s"] == pytest.approx(0.006)
-    assert c["decode_steps_s"] == pytest.approx(0.035) and c["prompt_steps_s"] == pytest.approx(0.2)
+    assert c["decode_sfi_steps_s"] == pytest.approx(0.007)
+    assert c["decode_steps_s"] == pytest.approx(0.037) and c["prompt_steps_s"] == pytest.approx(0.2)
 
 
 @pytest.mark.cuda

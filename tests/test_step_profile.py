@@ -72,7 +72,7 @@ def test_a_trigger_without_a_number_profiles_the_default_and_a_bad_directory_is_
 def test_the_step_plan_ticks_the_profiler_only_while_its_directory_is_set(tmp_path, monkeypatch):
     proc = process.reset()
     stage = SimpleNamespace(before_compaction=lambda cm, bs: None, plan=lambda cm, bs, ev: cm,
-                            step_kinds=lambda: (0, 0))
+                            step_kinds=lambda: (0, 0, 0))
     cm = SimpleNamespace(seq_lens=torch.zeros(1, dtype=torch.int32), max_query_len=1)
     monkeypatch.setattr(step_plan.runtime_builders, "steer_for", lambda cfg: None)
     monkeypatch.delenv("COTSERVE_VLLM_PROFILE_DIR", raising=False)

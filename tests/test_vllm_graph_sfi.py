@@ -409,6 +409,7 @@ def test_a_context_too_short_to_skip_decodes_densely_then_selects(setup):
         fa = step(1, n)
         modes.append(int(g.row_mode[0]))
         kinds.append((g.step_refreshes, g.step_slow))  # what the step clock is told
+        assert g.step_sfi == 1  # one SFI row, dense while short, then slow, then fast
         if n <= limit:
             assert int(fa[0]) == n and st.refresh_n == 0  # dense: the whole history, nothing refreshed
     assert modes[: limit - prompt] == [0] * (limit - prompt)
@@ -427,6 +428,7 @@ def test_a_context_too_short_to_skip_decodes_densely_then_selects(setup):
     fa = g.step(SimpleNamespace(num_reqs=1, query_start_loc_cpu=torch.tensor([0, 1]),
                                 block_table_tensor=blocks.view(1, -1), seq_lens=torch.tensor([10], dtype=torch.int32)), BS)
     assert int(fa[0]) == 10 and int(g.row_mode[0]) == 7
+    assert (g.step_slow, g.step_sfi) == (0, 0)  # the step clock sees a step without SFI
 
 
 def test_an_engine_without_sfi_slots_decodes_sfi_densely_and_reserves_nothing(monkeypatch):

@@ -46,8 +46,8 @@ class CPUSFIStage:
         if rt is not None:  # refreshes of requests that also evict: before their compaction
             rt.select_pending()
 
-    def step_kinds(self) -> tuple[int, int]:
-        return 0, 0  # the CPU runtime's refreshes run inside its forward: not told apart
+    def step_kinds(self) -> tuple[int, int, int]:
+        return 0, 0, 0  # the CPU runtime's refreshes run inside its forward: not told apart
 
     def plan(self, cm, block_size: int, evict):
         b = self.builder

@@ -118,8 +118,8 @@ class CUDASFIStage:
     def plan(self, cm, block_size: int, evict):
         return compat.metadata_with(cm, seq_lens=self.sfi.step(cm, block_size, self.head_size, evict=evict))
 
-    def step_kinds(self) -> tuple[int, int]:
-        return self.sfi.step_refreshes, self.sfi.step_slow
+    def step_kinds(self) -> tuple[int, int, int]:
+        return self.sfi.step_refreshes, self.sfi.step_slow, self.sfi.step_sfi
 
 
 class CotserveFlashMetadataBuilder(FlashAttentionMetadataBuilder):

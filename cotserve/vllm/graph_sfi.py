@@ -60,7 +60,8 @@ class GraphSFI(PagedSFI):
         self._no_slots_warned = False
         self._busy_warned = False
         self.host_s = self.refresh_host_s = 0.0  # CPU time in `step`, and in its refreshes
-        self.step_refreshes = self.step_slow = 0  # the last step's refreshes run and slow rows (step clock)
+        # the last step's refreshes run, slow rows and SFI rows (fast, slow or short-dense), for the step clock
+        self.step_refreshes = self.step_slow = self.step_sfi = 0
         self.step_clock: StepClock | None = None  # set by the step's plan while the telemetry is on
         if slots and self.device.type == "cuda":
             self.reserve_logits()  # made at model load: counted in vLLM's budget, never allocated in a step
@@ -125,7 +126,7 @@ class GraphSFI(PagedSFI):
     def _step(self, cm, block_size: int, evict=None) -> torch.Tensor:
         for gone in self.rows.take_released():
             self._release(gone)
-        self.step_slow = 0
+        self.step_slow = self.step_sfi = 0
         n_reqs = cm.num_reqs
         if not self.any_sfi and not any(r.sfi is not None for r in self.rows.rows.values()):
             # no SFI request in this step nor the last: the row tensors already say "all dense" (and
@@ -160,6 +161,7 @@ class GraphSFI(PagedSFI):
             any_sfi = True
             if ntok == 0:
                 continue
+            self.step_sfi += 1
             est = req.evict_state if req.evict is not None and evict is not None else None
             new_len = st.kv_len + ntok  # true length
             st.kv_len = new_len

@@ -1,7 +1,10 @@
 """Where a served run's time goes, by kind of engine step: steps that carry prompt tokens (a prefill
 chunk, with or without decoding rows beside it) and decode-only steps; of the decode-only steps,
-those that ran SFI refreshes before their forward (`decode_refresh_*`) and, of the rest, those with
-an SFI slow row (`decode_slow_*`), as the step's plan tells them (`note`; the CUDA backend's).
+those that ran SFI refreshes before their forward (`decode_refresh_*`), of the rest those with an
+SFI slow row (`decode_slow_*`), and of the rest those with any SFI row (`decode_sfi_*`: fast rows,
+or rows too short to skip anything), as the step's plan tells them (`note`; the CUDA backend's). So
+a stretch that ran dense and SFI requests apart splits into SFI's decode-only steps (those three)
+and the others.
 
 Kept only while $COTSERVE_VLLM_TELEMETRY is set. On CUDA each step's plan records an event on the
 step's stream, so the time between two consecutive events is the GPU time of the first one's step
@@ -42,6 +45,8 @@ class StepClock:
     refresh_s: float = 0.0
     slow_steps: int = 0  # decode-only steps with a slow row and no refresh (a subset of decode_steps)
     slow_s: float = 0.0
+    sfi_steps: int = 0  # decode-only steps with SFI rows but no refresh and no slow row (a subset of decode_steps)
+    sfi_s: float = 0.0
     _open: deque = field(default_factory=deque)  # [mark, carries prompt tokens, kind] not yet timed
     _marked: bool = False  # the last `mark` opened a step (not a capture's call)
 
@@ -66,11 +71,11 @@ class StepClock:
                 start, prompt, kind = self._open.popleft()
                 self._add(now - start, prompt, kind)
 
-    def note(self, refreshes: int, slow_rows: int) -> None:
-        """What the step marked last did beside its forward: refreshes run before it, slow rows in it
-        (nothing when that call was a graph capture's, not a step's)."""
+    def note(self, refreshes: int, slow_rows: int, sfi_rows: int = 0) -> None:
+        """What the step marked last did beside its forward: refreshes run before it, slow rows and
+        SFI rows in it (nothing when that call was a graph capture's, not a step's)."""
         if self._marked and self._open:
-            self._open[-1][2] = "refresh" if refreshes else "slow" if slow_rows else ""
+            self._open[-1][2] = "refresh" if refreshes else "slow" if slow_rows else "sfi" if sfi_rows else ""
 
     def _add(self, seconds: float, prompt: bool, kind: str = "") -> None:
         if seconds > self.idle_s:
@@ -90,6 +95,9 @@ class StepClock:
             elif kind == "slow":
                 self.slow_steps += 1
                 self.slow_s += seconds
+            elif kind == "sfi":
+                self.sfi_steps += 1
+                self.sfi_s += seconds
 
     def counters(self) -> dict:
         """The counters so far (cumulative since the process started)."""
@@ -97,7 +105,8 @@ class StepClock:
                 "decode_steps": self.decode_steps, "decode_steps_s": round(self.decode_s, 4),
                 "idle_gaps": self.idle_gaps, "decode_refresh_steps": self.refresh_steps,
                 "decode_refresh_steps_s": round(self.refresh_s, 4), "decode_slow_steps": self.slow_steps,
-                "decode_slow_steps_s": round(self.slow_s, 4)}
+                "decode_slow_steps_s": round(self.slow_s, 4), "decode_sfi_steps": self.sfi_steps,
+                "decode_sfi_steps_s": round(self.sfi_s, 4)}
 
 
 def step_counters(clock: StepClock | None) -> dict:

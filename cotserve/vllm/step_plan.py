@@ -37,8 +37,8 @@ class SFIStage(Protocol):
         """Step 4: the step's SFI plan on `cm` (after `evict`'s plan, or None); returns the
         metadata vLLM's builder gets."""
 
-    def step_kinds(self) -> tuple[int, int]:
-        """For the step clock: (refreshes run before this step, slow rows in it)."""
+    def step_kinds(self) -> tuple[int, int, int]:
+        """For the step clock: (refreshes run before this step, slow rows in it, SFI rows in it)."""
 
 
 def plan_step(vllm_config: Any, cm: Any, block_size: int, sfi: SFIStage, evict: Any, evict_paged: Any) -> Any:
