@@ -30,8 +30,10 @@ def _lines() -> list[str]:
     step(1, 0, 0, 0, 0.004)  # a warm-up: too few steps to be a run
     step(1, 0, 0, 0, 10.0)
     step(512, 0, 0, 0, 0.2)  # a dense run: one prompt chunk, 60 decode steps of 12 ms
-    for _ in range(60):
+    for i in range(60):
         step(1, 0, 0, 0, 0.012)
+        if i == 40:  # a request's line, with the counters so far: the run's later steps are still its own
+            lines.append(json.dumps({"sfi_steps": 0, "step_clock": clock.counters()}))
     step(1, 0, 0, 0, 10.0)
     step(512, 0, 0, 4, 0.25)  # an SFI run: a prompt chunk, 10 refresh, 20 slow, 40 fast and 5 dense steps
     for kind, n, dt in (((1, 0, 4), 10, 0.008), ((0, 1, 4), 20, 0.007), ((0, 0, 4), 40, 0.005), ((0, 0, 0), 5, 0.006)):

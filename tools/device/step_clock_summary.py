@@ -9,8 +9,9 @@ than `--min-steps` (50) decode-only steps, a warm-up's, is left out):
 * `dense`: the other decode-only steps (no SFI row: dense requests), `[count, mean ms]`;
 * `decode_s`: all decode-only steps' time.
 
-The counters are cumulative (`cotserve/vllm/step_clock.py`): a stretch is the difference between the
-last line before an idle gap and the last line before the one before it. Lines written before the
+The counters are cumulative (`cotserve/vllm/step_clock.py`) and the line an idle gap writes holds them
+as the gap found them: a stretch is the difference between two such lines (requests' lines written
+meanwhile are inside it). Lines written before the
 `decode_sfi_steps` counter existed leave SFI's other steps inside `dense`. Any machine, no GPU.
 """
 
@@ -28,7 +29,8 @@ def stretches(lines: Iterable[str], min_steps: int = 50) -> list[dict]:
     clocks = [c for c in (json.loads(line).get("step_clock") for line in lines if line.strip()) if c]
     if not clocks:
         return []
-    bounds = [a for a, b in zip(clocks, clocks[1:], strict=False) if b["idle_gaps"] > a["idle_gaps"]]
+    gaps = [0] + [c["idle_gaps"] for c in clocks]
+    bounds = [c for c, before in zip(clocks, gaps, strict=False) if c["idle_gaps"] > before]  # the gaps' lines
     out, start = [], {k: 0 for k in clocks[0]}
     for end in [*bounds, clocks[-1]]:
         d = {k: end.get(k, 0) - start.get(k, 0) for k in end}
