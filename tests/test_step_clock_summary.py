@@ -57,6 +57,8 @@ def test_stretches_split_sfi_steps_from_dense_ones():
     assert sfi["sfi"] == [40, pytest.approx(5.0)]
     assert sfi["dense"] == [5, pytest.approx(6.0)]  # steps without an SFI row: a dense request's
     assert sfi["decode_s"] == pytest.approx(0.08 + 0.14 + 0.2 + 0.03)
+    assert sfi["prompt_s"] == pytest.approx(0.25)
+    assert sfi["prompt_share"] == pytest.approx(0.25 / (0.25 + 0.45), abs=1e-3)
 
 
 def test_short_stretches_are_left_out_and_the_cli_prints_json(tmp_path, capsys):

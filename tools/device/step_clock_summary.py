@@ -7,7 +7,9 @@ than `--min-steps` (50) decode-only steps, a warm-up's, is left out):
 * `refresh`, `slow`, `sfi`: SFI's decode-only steps (refreshes run before the forward; else a slow row;
   else SFI rows only), each `[count, mean ms]`;
 * `dense`: the other decode-only steps (no SFI row: dense requests), `[count, mean ms]`;
-* `decode_s`: all decode-only steps' time.
+* `decode_s`: all decode-only steps' time; `prompt_s`: the prompt-carrying steps' time;
+* `prompt_share`: `prompt_s` over both: the part of the engine's time a decode-only speed-up (SFI's)
+  leaves as it is (a bound on what it can gain end to end: 1 / prompt_share).
 
 The counters are cumulative (`cotserve/vllm/step_clock.py`) and the line an idle gap writes holds them
 as the gap found them: a stretch is the difference between two such lines (requests' lines written
@@ -46,6 +48,9 @@ def stretches(lines: Iterable[str], min_steps: int = 50) -> list[dict]:
             n_left, s_left = n_left - n, s_left - s
         row["dense"] = [n_left, _ms(s_left, n_left)]
         row["decode_s"] = round(d["decode_steps_s"], 3)
+        row["prompt_s"] = round(d["prompt_steps_s"], 3)
+        busy = d["prompt_steps_s"] + d["decode_steps_s"]
+        row["prompt_share"] = round(d["prompt_steps_s"] / busy, 3) if busy else 0.0
         out.append(row)
     return out
 
