@@ -6,8 +6,10 @@
 * a batched refresh (`GraphSFI.refresh`: evidence, selector, re-pack) of J requests of n entries
   over every layer, on random caches in vLLM's FlashAttention layout: its GPU time (`ms`, CUDA events)
   and the host's time to issue it (`host_ms`; where it exceeds `ms`, the host is what a refresh waits on).
-`--refresh J N [J N ...]` times refreshes alone; `--launches` the host's time per launch; `--profile [J N]`
-prints a refresh's operators by device time and by host time.
+`--refresh J N [J N ...]` times refreshes alone; `--refresh-parts J N` each of a refresh's launches alone
+(the logits at several block sizes, the selector, the top-K, the re-pack at two block sizes), each
+against the time the device's own copy bandwidth needs for the bytes it must move; `--launches` the
+host's time per launch; `--profile [J N]` prints a refresh's operators by device time and by host time.
 Needs a CUDA GPU; shapes default to Qwen3-4B's attention (36 layers, 32/8 heads, head dim 128).
 """
 
@@ -119,6 +121,70 @@ def time_refresh(j: int, n: int, layers: int = 36, hq: int = 32, hkv: int = 8, d
             "ms": round(start.elapsed_time(end) / reps, 2), "host_ms": round(1e3 * host / reps, 3)}
 
 
+def copy_gbs(mib: int = 1024) -> float:
+    """The device's copy bandwidth (GB/s of bytes read plus written) on one large bf16 copy, in a graph."""
+    src = torch.empty(mib << 19, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src), reps=5)
+    return 2 * src.numel() * 2 / ms / 1e6
+
+
+def refresh_parts(j: int = 1, n: int = 16384, layers: int = 36, hq: int = 32, hkv: int = 8, d: int = 128,
+                  bs: int = 16, device: str = "cuda") -> list[dict]:
+    """Each launch of a refresh of J requests over n entries (SFI's defaults, all layers in one chunk as
+    `PagedSFI.refresh` makes it when they fit) timed alone from a CUDA graph: `ms`, the bytes it must move
+    (`MB`) and the time those take at the device's copy bandwidth (`floor_ms`). The logits at block sizes
+    32-256 entries (64 is served), the re-pack at 64 and 128 (64 served)."""
+    from cotserve.kernels.sfi_refresh import pack_selection_layers, ring_logits_layers
+    from cotserve.kernels.sfi_select import selector_scores, topk_sorted
+    from cotserve.policies.sfi.config import SFIConfig
+    from cotserve.vllm.batch_rows import BatchRows
+    from cotserve.vllm.graph_sfi import GraphSFI
+
+    dev = torch.device(device)
+    cfg = SFIConfig()
+    nb = j * (n // bs + 1)
+    caches = [SimpleNamespace(kv_cache=torch.randn(nb, hkv, bs, 2 * d, device=dev, dtype=torch.bfloat16))
+              for _ in range(layers)]
+    rt = GraphSFI(caches, hq, hkv, d, 0.088, torch.bfloat16, dev, slots=j, max_rows=j, rows=BatchRows())
+    rt.ring.normal_()
+    views = rt.paged_layers()
+    blocks = torch.randperm(nb, device=dev)[: j * (n // bs)].view(j, -1).to(torch.int32)
+    r = cfg.obs_window
+    slots = torch.arange(j, dtype=torch.int32, device=dev)
+    ridx = torch.arange(r, dtype=torch.int32, device=dev)
+    row_pos = torch.full((r,), n - 1, dtype=torch.int32, device=dev)
+    g = hq // hkv
+    logits = torch.empty(j, layers, hkv, g * r, n, dtype=torch.float32, device=dev)
+    norms = torch.empty(j, layers, hkv, n, dtype=torch.float32, device=dev)
+    gbs = copy_gbs()
+    key_mb = j * layers * hkv * n * d * 2 / 1e6
+    out_mb = (logits.numel() + norms.numel()) * 4 / 1e6
+    k = min(cfg.k, n - cfg.sinks)
+    rows: list[dict] = []
+
+    def row(name: str, ms: float, mb: float, **extra) -> None:
+        rows.append({"part": "refresh_part", "requests": j, "entries": n, "launch": name, **extra,
+                     "ms": round(ms, 4), "MB": round(mb, 1), "floor_ms": round(mb / gbs, 4), "copy_GB/s": round(gbs)})
+
+    for block_n in (32, 64, 128, 256):
+        ms = graph_ms(lambda b=block_n: ring_logits_layers(rt.ring, slots, ridx, row_pos, rt.scale, views, 0, layers,
+                                                           blocks, n, logits, norms, causal=False, block_n=b), reps=5)
+        row("logits", ms, key_mb + out_mb, block_n=block_n)
+    flat = logits.view(j * layers, hkv, g * r, n)
+    ms = graph_ms(lambda: selector_scores(cfg, flat, norms.view(j * layers, hkv, n), n - 1), reps=5)
+    row("selector", ms, out_mb + 4 * j * layers * hkv * n * 4 / 1e6)  # its reads, the scratch and the scores
+    scores = selector_scores(cfg, flat, norms.view(j * layers, hkv, n), n - 1)
+    ms = graph_ms(lambda: topk_sorted(scores, k), reps=5)
+    row("topk_sorted", ms, scores.numel() * 4 / 1e6, k=k)
+    keep = topk_sorted(scores, k).view(j, layers, hkv, k)
+    for block in (64, 128):
+        ms = graph_ms(lambda b=block: pack_selection_layers(keep, cfg.sinks, None, blocks, views, rt.ck, rt.cv,
+                                                            rt.cpos, slots, block=b), reps=5)
+        row("pack", ms, 2 * 2 * j * layers * hkv * (cfg.sinks + k) * d * 2 / 1e6, block=block)
+    return rows
+
+
 def time_launches(reps: int = 2000) -> dict:
     """The host's time per launch on this machine (microseconds, the GPU not waited for): a small torch
     op, the fast step's Triton launch (~45 arguments; one row, nothing to read), and the refresh's top-K
@@ -177,6 +243,11 @@ def main() -> None:
         return
     if "--launches" in sys.argv:  # the host's cost of one launch
         print(json.dumps(time_launches()), flush=True)
+        return
+    if "--refresh-parts" in sys.argv:  # --refresh-parts [J N]: a refresh's launches alone
+        i = sys.argv.index("--refresh-parts")
+        for row in refresh_parts(*[int(a) for a in sys.argv[i + 1 : i + 3]]):
+            print(json.dumps(row), flush=True)
         return
     if "--refresh" in sys.argv:  # --refresh J N [J N ...]: refreshes alone
         nums = [int(a) for a in sys.argv[sys.argv.index("--refresh") + 1 :]]
