@@ -12,7 +12,8 @@
 #   fidelity        the bundled model's real weights, unpacked: CUDA fidelity of five policies against dense
 #   parts WHEELS    on a bare machine (no vLLM staged): cotserve's pydantic/dill wheels from the carried folder
 #                   WHEELS, then the CUDA tests of SFI's kernels and runtime and the no-vLLM timings (vllm_parts:
-#                   launch costs, refreshes' GPU against host time, the fast step; vllm_plan; a refresh's profile)
+#                   launch costs, refreshes' GPU against host time, each launch of a refresh alone, the fast step;
+#                   vllm_plan; a refresh's profile); TUNE=1: then the fast-step launch table (tune_sfi_fast)
 # Outputs go to $OUT.
 set -u
 export PYTHONPATH=/root/vsite:/root/xsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -47,7 +48,9 @@ case ${1:?phase} in
     timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_vllm_graph_sfi.py tests/test_sfi_paged_kernel.py \
       tests/test_sfi_select_kernel.py 2>&1 | tail -15 | tee $OUT/cuda-tests.txt
     { python3 -m cotserve.bench.vllm_parts --launches; python3 -m cotserve.bench.vllm_parts --refresh 1 16384 1 32768 4 16384
+      python3 -m cotserve.bench.vllm_parts --refresh-parts 1 16384; python3 -m cotserve.bench.vllm_parts --refresh-parts 1 32768
       python3 -m cotserve.bench.vllm_parts; python3 -m cotserve.bench.vllm_plan; } 2>&1 | grep '^{' | tee $OUT/parts.jsonl
-    python3 -m cotserve.bench.vllm_parts --profile 1 16384 > $OUT/refresh-profile.txt 2>&1; tail -30 $OUT/refresh-profile.txt ;;
+    python3 -m cotserve.bench.vllm_parts --profile 1 16384 > $OUT/refresh-profile.txt 2>&1; tail -30 $OUT/refresh-profile.txt
+    [ "${TUNE:-0}" = 1 ] && timeout 150 python3 -m cotserve.bench.tune_sfi_fast --out $OUT/sfi-fast-launch-table.json 2>&1 | tail -5 ;;
   *) echo "usage: extra.sh setup|part|replay-stock|replay-sfi|fidelity-native|fidelity|parts"; exit 2 ;;
 esac
