@@ -78,21 +78,22 @@ def test_ring_logits_read_keys_in_vector_loads():
 def test_pack_reads_keys_and_values_in_vector_loads():
     loads = _loads("_pack_kernel",
                    {"KEEP": "*i64", "TPOS": "*i64", "BT": "*i32", "KC": "*bf16", "VC": "*bf16", "KOFF": "*i64",
-                    "VOFF": "*i64", "CK": "*bf16", "CV": "*bf16", "CPOS": "*i32", "SLOTS": "*i32"},
-                   {"C": 2112, "D": 128, "BS": 16, "BLOCK": 64})
+                    "VOFF": "*i64", "CK": "*bf16", "CV": "*bf16", "CPOS": "*i32", "SLOTS": "*i32", "CCOUNT": "*i32"},
+                   {"C": 2112, "D": 128, "BS": 16, "BLOCK": 64, "HAS_COUNT": True})
     assert loads["ld.global.v4.b32"] >= 16 and loads["ld.global.b16"] == 0, loads
 
 
 @pytest.mark.parametrize("kernel", ["_sfi_fast_kernel", "_sfi_fast_split_kernel"])
 def test_fast_step_with_its_ring_writes_compiles_for_sm90(kernel):
-    """The fast step that also does the step's ring writes (a loop over writes with runtime bounds)
-    compiles for the GPU and copies each query row (32 heads x 128 = 4,096 elements, four blocks of
+    """The fast step as served (its compact reads bounded by the slot's count of entries in use) that
+    also does the step's ring writes (a loop over writes with runtime bounds) compiles for the GPU and copies each query row (32 heads x 128 = 4,096 elements, four blocks of
     1,024) in 16-byte loads: four more than the same kernel without the writes."""
     types = {"Q": "*bf16", "Out": "*bf16", "CK": "*bf16", "CV": "*bf16", "CPOS": "*i32", "KC": "*bf16", "VC": "*bf16",
              "BT": "*i32", "ROW_MODE": "*i32", "ROW_SLOT": "*i32", "ROW_TOK": "*i32", "ROW_WS": "*i32",
              "ROW_LEN": "*i32", "CWS": "*i32", "PM": "*fp32", "PL": "*fp32", "PACC": "*fp32", "scale": "fp32",
-             "RING": "*bf16", "W_TOK": "*i64", "W_SLOT": "*i64", "W_IDX": "*i64"}
-    consts = {"C": 2112, "G": 4, "GP": 16, "D": 128, "BS": 16, "BLOCK_N": 64, "HD": 4096, "WBLOCK": 1024}
+             "RING": "*bf16", "W_TOK": "*i64", "W_SLOT": "*i64", "W_IDX": "*i64", "CCOUNT": "*i32"}
+    consts = {"C": 2112, "G": 4, "GP": 16, "D": 128, "BS": 16, "BLOCK_N": 64, "HD": 4096, "WBLOCK": 1024,
+              "HAS_COUNT": True}
     if kernel == "_sfi_fast_split_kernel":
         consts.update(CHUNK=1088, NS=3)
     with_writes = _loads(kernel, types, {**consts, "RING_WRITES": True})

@@ -47,6 +47,32 @@ def test_kernel_matches_reference(seed, splits):
     assert not torch.any(out[fast_toks] == 7.0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_reads_no_compact_entry_past_the_slots_count(splits):
+    """`ccount` bounds each slot's compact entries: those at or past it are not read even where their
+    positions say valid; the kernel agrees with the reference, a count of C is the plain form, and a
+    smaller one changes what is read."""
+    q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = _case(6)
+    c = ck.shape[2]
+    cpos = torch.randint(0, 8, cpos.shape, generator=torch.Generator().manual_seed(1)).to(torch.int32)  # all valid
+    count = torch.tensor([c, 5, 23], dtype=torch.int32)  # slot 0 whole, 1 and 2 cut (not block-aligned)
+    poison = torch.full_like(q, 7.0)
+    ref = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
+                                      ccount=count)
+    out = sp.sfi_paged_fast(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16,
+                            splits=splits, ccount=count)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    plain = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3)
+    full = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
+                                       ccount=torch.full_like(count, c))
+    assert torch.equal(full, plain)
+    fast = [int(t) for t, m in zip(tok, mode, strict=True) if int(m) == 1]
+    cut = [int(t) for t, m, s in zip(tok, mode, slot, strict=True) if int(m) == 1 and int(count[int(s)]) < c]
+    assert cut and not torch.allclose(ref[cut], plain[cut], atol=1e-3)  # the cut slots' rows read fewer entries
+    whole = [t for t in fast if t not in cut]
+    assert torch.allclose(out[whole], plain[whole], atol=1e-4, rtol=1e-4)
+
+
 def test_ring_write_reference():
     """The twin the fused writes are tested against: rows of a strided q (vLLM's is a view into the
     fused qkv) land in their (slot, index); tokens past the end are clamped to the last."""

@@ -88,9 +88,12 @@ def test_pack_selection_copies_sinks_and_selection_with_positions(with_tpos):
     want = [torch.zeros(4, slots, h, c, d), torch.zeros(4, slots, h, c, d),
             torch.full((4, slots, h, c), 5, dtype=torch.int32)]
     got = [t.clone() for t in want]
-    sr.pack_selection_layers(keep, ns, tpos, bt, sr.PagedLayers.of(keys, values), *got, sl, block=16)
-    sr.pack_selection_reference(keep, ns, tpos, bt, keys, values, *want, sl)
+    count_got, count_want = torch.full((slots,), 3, dtype=torch.int32), torch.full((slots,), 3, dtype=torch.int32)
+    sr.pack_selection_layers(keep, ns, tpos, bt, sr.PagedLayers.of(keys, values), *got, sl, block=16, ccount=count_got)
+    sr.pack_selection_reference(keep, ns, tpos, bt, keys, values, *want, sl, ccount=count_want)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # the entries in use, sinks + k, at the two slots packed; slot 1 untouched
+    assert count_got.tolist() == count_want.tolist() == [ns + k, 3, ns + k]
     ck, _, cpos = want
     m = ns + k
     # entry 0 is a sink (position 0), entry ns the first kept one, -1 after them; slot 1 untouched
@@ -109,9 +112,10 @@ def test_pack_of_nothing_marks_the_slot_empty_and_copies_nothing():
     ck, cv = torch.full((4, 2, 3, 16, 32), 2.0), torch.full((4, 2, 3, 16, 32), 2.0)
     cpos = torch.full((4, 2, 3, 16), 9, dtype=torch.int32)
     keep = torch.zeros(1, 4, 3, 16, dtype=torch.long)[..., :0]
+    count = torch.tensor([7, 7], dtype=torch.int32)
     sr.pack_selection_layers(keep, 0, None, torch.zeros(1, 1, dtype=torch.int32), sr.PagedLayers.of(keys, values),
-                             ck, cv, cpos, torch.tensor([1], dtype=torch.int32), block=16)
-    assert torch.all(cpos[:, 1] == -1) and torch.all(cpos[:, 0] == 9)
+                             ck, cv, cpos, torch.tensor([1], dtype=torch.int32), block=16, ccount=count)
+    assert torch.all(cpos[:, 1] == -1) and torch.all(cpos[:, 0] == 9) and count.tolist() == [7, 0]
     assert torch.all(ck == 2.0) and torch.all(cv == 2.0)
 
 

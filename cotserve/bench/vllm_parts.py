@@ -2,7 +2,8 @@
 
 * the paged fast-step kernel (`kernels.sfi_paged`) against FlashAttention-sized reads: rows x
   KV heads x (compact + window) entries, with the bytes it must move and the bandwidth reached;
-  and the same with the step's ring writes in its launch, as served (`auto_with_ring_writes`);
+  with each slot's count of compact entries in use, as served (`auto_count`: the padding past sinks + k
+  unread), and also with the step's ring writes in its launch (`auto_with_ring_writes`);
 * a batched refresh (`GraphSFI.refresh`: evidence, selector, re-pack) of J requests of n entries
   over every layer, on random caches in vLLM's FlashAttention layout: its GPU time (`ms`, CUDA events)
   and the host's time to issue it (`host_ms`; where it exceeds `ms`, the host is what a refresh waits on).
@@ -51,13 +52,19 @@ def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int =
                                                       0.088, splits=s))
         moved = rows * hkv * (c + window) * d * 2 * 2
         res[name] = {"ms": round(ms, 4), "GB/s": round(moved / ms / 1e6, 1)}
+    # as served: each slot's compact entries in use (SFI's 4 sinks + k = 2,048), the padding to C unread
+    count = torch.full((rows,), min(c, 4 + 2048), dtype=torch.int32, device=dev)
+    ms = graph_ms(lambda: sfi_paged_fast(q, out, ck, cv, cpos, kc, vc, bt, mode, slot, slot, ws, lens, 0.088,
+                                         ccount=count))
+    res["auto_count"] = {"ms": round(ms, 4), "GB/s": round(rows * hkv * (int(count[0]) + window) * d * 4 / ms / 1e6, 1)}
     ring = torch.zeros(rows + 1, 32, hkv * g, d, device=dev, dtype=torch.bfloat16)
     w_tok = torch.arange(RING_WRITES, device=dev) % rows
     w_slot = torch.where(torch.arange(RING_WRITES, device=dev) < rows, w_tok, rows)
     w_idx = torch.zeros_like(w_tok)
     # as vLLM's backend launches it: the step's ring writes done by the same launch (against "auto": their cost)
     res["auto_with_ring_writes"] = {"ms": round(graph_ms(lambda: sfi_paged_fast(
-        q, out, ck, cv, cpos, kc, vc, bt, mode, slot, slot, ws, lens, 0.088, ring=(ring, w_tok, w_slot, w_idx))), 4)}
+        q, out, ck, cv, cpos, kc, vc, bt, mode, slot, slot, ws, lens, 0.088, ring=(ring, w_tok, w_slot, w_idx),
+        ccount=count)), 4)}
     return {"part": "fast_kernel", "timing": "cuda graph", "rows": rows, "entries": c + window, **res}
 
 

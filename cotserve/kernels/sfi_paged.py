@@ -11,6 +11,10 @@ group attend over two segments in one online softmax:
 * the recent window, positions [ws, n), read in place from vLLM's paged cache through the
   row's block table (`key_cache`, `value_cache` [blocks, block_size, Hkv, D]).
 
+Given `ccount` [slots] (the entries of each compact buffer in use: its sinks and its selection, as
+the re-pack leaves them), the compact entries from there on are not read at all: the buffer's
+padding past sinks + k costs no bandwidth.
+
 Rows with any other mode are left untouched (vLLM's FlashAttention has written them). Given the
 step's ring writes (`ring`), the same launch also copies the step's query rows of SFI requests into
 their rings (`ring_write_reference`), the copies spread over its programs. One program
@@ -37,10 +41,11 @@ except Exception:  # pragma: no cover - depends on the install
 
 
 def sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode, row_slot,
-                             row_tok, row_ws, row_len, scale: float, row_cws: torch.Tensor | None = None
-                             ) -> torch.Tensor:
+                             row_tok, row_ws, row_len, scale: float, row_cws: torch.Tensor | None = None,
+                             ccount: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch: q/out [tokens, Hq, D]; writes out[tok] of every fast row; returns out.
-    `row_cws` [rows, Hkv]: the compact entries' cutoff per KV head (None: the window start)."""
+    `row_cws` [rows, Hkv]: the compact entries' cutoff per KV head (None: the window start);
+    `ccount` [slots]: compact entries in use per slot, those past it unread (None: all C)."""
     hkv = ck.shape[1]
     hq = q.shape[1]
     g = hq // hkv
@@ -54,6 +59,8 @@ def sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block
         for h in range(hkv):
             cut = ws if row_cws is None else int(row_cws[row, h])
             sel = (cpos[slot, h] >= 0) & (cpos[slot, h] < cut)
+            if ccount is not None:
+                sel &= torch.arange(sel.shape[0], device=sel.device) < int(ccount[slot])
             keys = torch.cat([ck[slot, h][sel], key_cache[blocks, pos % bs, h]], 0).float()
             vals = torch.cat([cv[slot, h][sel], value_cache[blocks, pos % bs, h]], 0).float()
             qh = q[tok, h * g : (h + 1) * g].float()
@@ -79,11 +86,11 @@ if HAVE_TRITON:
     @triton.jit
     def _compact_range(q, CK, CV, CPOS, slot, h, cut, lo, hi, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s,
                        scp_h, m_i, l_i, acc, C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Compact entries [lo, hi) of (slot, KV head h), read where 0 <= position < cut."""
+        """Compact entries [lo, min(hi, C)) of (slot, KV head h), read where 0 <= position < cut."""
         offs_d = tl.arange(0, D)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            inb = offs_n < C
+            inb = (offs_n < C) & (offs_n < hi)
             cp = tl.load(CPOS + slot * scp_s + h * scp_h + offs_n, mask=inb, other=-1)
             valid = (cp >= 0) & (cp < cut)
             k = tl.load(CK + slot * sck_s + h * sck_h + offs_n[:, None] * sck_c + offs_d[None, :],
@@ -139,12 +146,12 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["nw", "t", "scratch"])
     def _sfi_fast_kernel(Q, Out, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
-                         CWS, scw_r, scw_h, sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
+                         CWS, scw_r, scw_h, CCOUNT, sq_t, sq_h, so_t, so_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
                          skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
                          RING, W_TOK, W_SLOT, W_IDX, nw, t, scratch, sr_s, sr_w, sr_h,
                          C: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, RING_WRITES: tl.constexpr, HD: tl.constexpr,
-                         WBLOCK: tl.constexpr):
+                         WBLOCK: tl.constexpr, HAS_COUNT: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
         if RING_WRITES:
@@ -160,7 +167,10 @@ if HAVE_TRITON:
             l_i = tl.zeros([GP], dtype=tl.float32)
             acc = tl.zeros([GP, D], dtype=tl.float32)
             cws = tl.load(CWS + row * scw_r + h * scw_h)
-            m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, cws, 0, C, sck_s, sck_h, sck_c, scv_s, scv_h,
+            hi = C
+            if HAS_COUNT:
+                hi = tl.minimum(tl.load(CCOUNT + slot), C)
+            m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, cws, 0, hi, sck_s, sck_h, sck_c, scv_s, scv_h,
                                            scv_c, scp_s, scp_h, m_i, l_i, acc, C, D, BLOCK_N)
             m_i, l_i, acc = _window_range(q, KC, VC, BT, row, h, ws, n, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
                                           sbt_r, m_i, l_i, acc, D, BS, BLOCK_N)
@@ -173,12 +183,13 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["nw", "t", "scratch"])
     def _sfi_fast_split_kernel(Q, CK, CV, CPOS, KC, VC, BT, ROW_MODE, ROW_SLOT, ROW_TOK, ROW_WS, ROW_LEN,
-                               CWS, scw_r, scw_h, PM, PL, PACC, sq_t, sq_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
+                               CWS, scw_r, scw_h, CCOUNT, PM, PL, PACC, sq_t, sq_h, sck_s, sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h,
                                skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sbt_r, scale,
                                RING, W_TOK, W_SLOT, W_IDX, nw, t, scratch, sr_s, sr_w, sr_h,
                                C: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr, G: tl.constexpr,
                                GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                               RING_WRITES: tl.constexpr, HD: tl.constexpr, WBLOCK: tl.constexpr):
+                               RING_WRITES: tl.constexpr, HD: tl.constexpr, WBLOCK: tl.constexpr,
+                               HAS_COUNT: tl.constexpr):
         """Split s < NS - 1 reads compact entries [s * CHUNK, (s + 1) * CHUNK); split NS - 1 the window.
         Partial (max, sum, acc) per split go to PM/PL [rows, H, NS, GP] and PACC [rows, H, NS, GP, D]."""
         row = tl.program_id(0)
@@ -198,7 +209,10 @@ if HAVE_TRITON:
             acc = tl.zeros([GP, D], dtype=tl.float32)
             if sp < NS - 1:
                 cws = tl.load(CWS + row * scw_r + h * scw_h)
-                m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, cws, sp * CHUNK, (sp + 1) * CHUNK, sck_s,
+                hi = (sp + 1) * CHUNK
+                if HAS_COUNT:
+                    hi = tl.minimum(tl.load(CCOUNT + slot), hi)
+                m_i, l_i, acc = _compact_range(q, CK, CV, CPOS, slot, h, cws, sp * CHUNK, hi, sck_s,
                                                sck_h, sck_c, scv_s, scv_h, scv_c, scp_s, scp_h, m_i, l_i, acc, C, D,
                                                BLOCK_N)
             else:
@@ -241,7 +255,8 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
                    row_ws, row_len, scale: float, rows: int | None = None, block_n: int | None = None,
                    splits: int | None = None, row_cws: torch.Tensor | None = None,
                    launch: FastLaunch | None = None,
-                   ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   ccount: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel over `rows` batch rows (default: all of row_mode). Same contract as the
     reference (`row_cws` [rows, Hkv] int32, or None: the window start is every head's cutoff).
     key_cache/value_cache may be strided views; the last dim must be contiguous.
@@ -250,12 +265,13 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
     block, warps, stages) is `launch`, else `sfi_launch.fast_launch` for the batch size; `splits` and
     `block_n`, when given, replace its own. `ring` = (this layer's ring [slots + 1, W, Hq, D], w_tok,
     w_slot, w_idx): the step's ring writes (`ring_write_reference`'s contract) done by the same launch,
-    spread over its programs; None leaves the rings alone."""
+    spread over its programs; None leaves the rings alone. `ccount` [slots] int32: the compact entries in
+    use per slot (`sfi_paged_fast_reference`), None: all C."""
     if not HAVE_TRITON:
         if ring is not None:
             ring_write_reference(q, *ring)
         return sfi_paged_fast_reference(q, out, ck, cv, cpos, key_cache, value_cache, block_table, row_mode,
-                                        row_slot, row_tok, row_ws, row_len, scale, row_cws)
+                                        row_slot, row_tok, row_ws, row_len, scale, row_cws, ccount)
     hkv, c, d = ck.shape[1], ck.shape[2], ck.shape[3]
     g = q.shape[1] // hkv
     gp = max(16, triton.next_power_of_2(g))
@@ -266,16 +282,18 @@ def sfi_paged_fast(q, out, ck, cv, cpos, key_cache, value_cache, block_table, ro
               cpos.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
               value_cache.stride(1), value_cache.stride(2), block_table.stride(0), float(scale))
     cws = (row_ws, row_ws.stride(0), 0) if row_cws is None else (row_cws, row_cws.stride(0), row_cws.stride(1))
+    cws = (*cws, row_slot if ccount is None else ccount)  # an int32 pointer either way (unread without a count)
     launch = launch or fast_launch(rows, hkv, q.device, d)
     if ring is None:  # unread (RING_WRITES off): pointers of the right kinds
         writes = (q, row_slot, row_slot, row_slot, 0, q.shape[0], 0, 0, 0, 0)
-        wconst = {"RING_WRITES": False, "HD": d, "WBLOCK": 16}
+        wconst = {"RING_WRITES": False, "HD": d, "WBLOCK": 16, "HAS_COUNT": ccount is not None}
     else:
         rg, w_tok, w_slot, w_idx = ring
         writes = (rg, w_tok, w_slot, w_idx, w_tok.shape[0], q.shape[0], rg.shape[0] - 1, rg.stride(0), rg.stride(1),
                   rg.stride(2))
         hd = q.shape[1] * d
-        wconst = {"RING_WRITES": True, "HD": hd, "WBLOCK": min(1024, triton.next_power_of_2(hd))}
+        wconst = {"RING_WRITES": True, "HD": hd, "WBLOCK": min(1024, triton.next_power_of_2(hd)),
+                  "HAS_COUNT": ccount is not None}
     ns = launch.splits if splits is None else splits
     block_n = launch.block_n if block_n is None else block_n
     opts = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}

@@ -14,7 +14,8 @@ request of the refresh:
 * `pack_selection_layers`: the sinks (entries 0 .. ns-1) and the selected entries `keep`
   [J, L, H, k] copied from the paged cache into the compact buffers `ck`, `cv` [L, slots, H, C, D]
   at slot `slots[j]`, and their positions (or, for a compacted request, their true positions
-  `tpos` [L, H, n]) into `cpos` [L, slots, H, C], -1 after them.
+  `tpos` [L, H, n]) into `cpos` [L, slots, H, C], -1 after them; given `ccount` [slots], the entries
+  now in use (sinks + k) at slot `slots[j]` (the fast step reads no further).
 
 Both read every layer through the first layer's pointer and a table of the layers' offsets
 (`PagedLayers`). Each has a plain torch twin (`*_reference`) that the kernels are tested against (on
@@ -189,16 +190,20 @@ def ring_logits_layers(ring: torch.Tensor, slots: torch.Tensor, ridx: torch.Tens
 
 def pack_selection_reference(keep: torch.Tensor, ns: int, tpos: torch.Tensor | None, block_table: torch.Tensor,
                              key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], ck: torch.Tensor,
-                             cv: torch.Tensor, cpos: torch.Tensor, slots: torch.Tensor) -> None:
+                             cv: torch.Tensor, cpos: torch.Tensor, slots: torch.Tensor,
+                             ccount: torch.Tensor | None = None) -> None:
     """Plain torch: for request j and layer l, entries 0 .. ns-1 then `keep[j, l]` [H, k] (cache
     indices) into `ck`, `cv` [L, slots, H, C, D] at slot `slots[j]`, entries 0 .. ns + k - 1; their
-    positions (`tpos[l, h, entry]` where given) into `cpos` [L, slots, H, C], -1 after them."""
+    positions (`tpos[l, h, entry]` where given) into `cpos` [L, slots, H, C], -1 after them; ns + k into
+    `ccount[slots[j]]` where given."""
     jn, nlay, h, k = keep.shape
     bs = key_caches[0].shape[1]
     heads = torch.arange(h, device=keep.device).view(-1, 1)
     m = ns + k
     for j in range(jn):
         s = int(slots[j])
+        if ccount is not None:
+            ccount[s] = m
         for li in range(nlay):
             sinks = torch.arange(ns, device=keep.device).expand(h, ns)
             idx = torch.cat([sinks, keep[j, li].long()], dim=-1)  # [H, m]
@@ -214,10 +219,10 @@ def pack_selection_reference(keep: torch.Tensor, ns: int, tpos: torch.Tensor | N
 if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["k", "ns", "nl", "has_tpos", "sk_j", "sk_l", "sk_h", "st_l", "st_h", "sbt_j"])
-    def _pack_kernel(KEEP, TPOS, BT, KC, VC, KOFF, VOFF, CK, CV, CPOS, SLOTS, k, ns, nl, has_tpos, sk_j, sk_l, sk_h,
+    def _pack_kernel(KEEP, TPOS, BT, KC, VC, KOFF, VOFF, CK, CV, CPOS, SLOTS, CCOUNT, k, ns, nl, has_tpos, sk_j, sk_l, sk_h,
                      st_l, st_h, sbt_j, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, sck_l, sck_s, sck_h, sck_c, scv_l,
                      scv_s, scv_h, scv_c, scp_l, scp_s, scp_h, C: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_COUNT: tl.constexpr):
         jl = tl.program_id(0)
         j = (jl // nl).to(tl.int64)
         li = (jl % nl).to(tl.int64)
@@ -245,16 +250,20 @@ if HAVE_TRITON:
             where = tl.load(TPOS + li * st_l + h * st_h + pos, mask=ok, other=0).to(tl.int64)
         tl.store(CPOS + li * scp_l + slot * scp_s + h * scp_h + e, tl.where(ok, where, -1).to(CPOS.dtype.element_ty),
                  mask=inb)
+        if HAS_COUNT:
+            if (li == 0) & (h == 0) & (tl.program_id(2) == 0):
+                tl.store(CCOUNT + slot, (ns + k).to(CCOUNT.dtype.element_ty))
 
 
 def pack_selection_layers(keep: torch.Tensor, ns: int, tpos: torch.Tensor | None, block_table: torch.Tensor,
                           layers: PagedLayers, ck: torch.Tensor, cv: torch.Tensor, cpos: torch.Tensor,
-                          slots: torch.Tensor, block: int = 64) -> None:
+                          slots: torch.Tensor, block: int = 64, ccount: torch.Tensor | None = None) -> None:
     """Triton form of `pack_selection_reference` for every layer of `layers` in one launch: `keep`
-    [J, L, H, k] (any strides, the last 1), `tpos` [L, H, n] int64 or None, `slots` [J] int32."""
+    [J, L, H, k] (any strides, the last 1), `tpos` [L, H, n] int64 or None, `slots` [J] int32,
+    `ccount` [slots] int32 or None."""
     if not HAVE_TRITON:
         pack_selection_reference(keep, ns, tpos, block_table, list(layers.keys), list(layers.values), ck, cv, cpos,
-                                 slots)
+                                 slots, ccount)
         return
     j, nl, h, k = keep.shape
     kc, vc = layers.keys[0], layers.values[0]
@@ -267,8 +276,10 @@ def pack_selection_layers(keep: torch.Tensor, ns: int, tpos: torch.Tensor | None
     assert tp.dtype == torch.int64 and tp.stride(-1) == 1
     st_l, st_h = (0, 0) if tpos is None else (tpos.stride(0), tpos.stride(1))
     _pack_kernel[(j * nl, h, triton.cdiv(c, block))](
-        keep, tp, block_table, kc, vc, layers.key_off, layers.value_off, ck, cv, cpos, slots, k, ns, nl,
+        keep, tp, block_table, kc, vc, layers.key_off, layers.value_off, ck, cv, cpos, slots,
+        slots if ccount is None else ccount, k, ns, nl,
         int(tpos is not None), keep.stride(0), keep.stride(1), keep.stride(2), st_l, st_h, block_table.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), ck.stride(0),
         ck.stride(1), ck.stride(2), ck.stride(3), cv.stride(0), cv.stride(1), cv.stride(2), cv.stride(3),
-        cpos.stride(0), cpos.stride(1), cpos.stride(2), C=c, D=kc.shape[-1], BS=kc.shape[1], BLOCK=block)
+        cpos.stride(0), cpos.stride(1), cpos.stride(2), C=c, D=kc.shape[-1], BS=kc.shape[1], BLOCK=block,
+        HAS_COUNT=ccount is not None)

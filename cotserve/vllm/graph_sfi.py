@@ -93,7 +93,8 @@ class GraphSFI(PagedSFI):
         for launch in sorted(launches):
             sfi_paged_fast(q1, o1, self.ck[li], self.cv[li], self.cpos[li], key_cache, value_cache, block_table[:1],
                            mode, self.row_slot[:1], self.row_tok[:1], self.row_ws[:1], self.row_len[:1], self.scale,
-                           rows=1, launch=launch, row_cws=self.row_cws[li][:1], ring=(self.ring[li], *scratch))
+                           rows=1, launch=launch, row_cws=self.row_cws[li][:1], ring=(self.ring[li], *scratch),
+                           ccount=self.ccount)
 
     # -- per step, outside the graph -----------------------------------------------------------
     def refresh_due(self, cm, block_size: int) -> None:
@@ -319,6 +320,7 @@ class GraphSFI(PagedSFI):
             st.steps, st.retained_sum = st.wait_steps, float(st.wait_steps)
             req.sfi_waiting = False
         self.cpos[:, slot].fill_(-1)
+        self.ccount[slot : slot + 1].fill_(0)
         req.state = st
         return st
 

@@ -4,7 +4,8 @@
 Everything a captured decode step reads lives in persistent tensors, allocated once:
 
 * compact buffers `ck`, `cv` [L, slots, Hkv, C, D] and their positions `cpos` [L, slots, Hkv, C]
-  (-1 = empty), C = sinks + k rounded up to 64;
+  (-1 = empty), C = sinks + k rounded up to 64; per slot the entries in use, `ccount` (sinks + k:
+  the fast step reads no further);
 * rings [L, slots + 1, W, Hq, D] of query rows (slot `slots` is scratch: rows of no SFI sequence
   write there);
 * per batch row: mode (0 not SFI, 1 SFI: compact entries older than the window start plus the
@@ -148,6 +149,7 @@ class PagedSFI:
         self.ck = torch.zeros(L, sb, H, C, D, dtype=dtype, device=dev)
         self.cv = torch.zeros(L, sb, H, C, D, dtype=dtype, device=dev)
         self.cpos = torch.full((L, sb, H, C), -1, dtype=torch.int32, device=dev)
+        self.ccount = torch.zeros(sb, dtype=torch.int32, device=dev)  # entries in use per slot (the re-pack's)
         self.ring = torch.zeros(L, S + 1, W_MAX, num_heads, D, dtype=dtype, device=dev)
         r = max_rows
         # the row tensors and the step's ring writes as views of two packed buffers: one copy each per step
@@ -195,7 +197,7 @@ class PagedSFI:
         compact buffer + window into `out`, in one launch (`sfi_paged_fast` with `ring`)."""
         sfi_paged_fast(q, out, self.ck[layer], self.cv[layer], self.cpos[layer], key_cache, value_cache, block_table,
                        self.row_mode, self.row_slot, self.row_tok, self.row_ws, self.row_len, self.scale, rows=rows,
-                       row_cws=row_cws, ring=(self.ring[layer], self.w_tok, self.w_slot, self.w_idx))
+                       row_cws=row_cws, ring=(self.ring[layer], self.w_tok, self.w_slot, self.w_idx), ccount=self.ccount)
         for tok, slot, w in self.extra_writes:  # writes beyond the ring-write tensors: eager steps only
             self.ring[layer, slot, w] = q[tok]
 
@@ -294,7 +296,7 @@ class PagedSFI:
         # (true) positions into the slots' `cpos`, in one launch
         tp = None if tpos is None else tpos.to(torch.int64).contiguous()
         pack_selection_layers(keep.contiguous(), min(cfg.sinks, n), tp, blocks, views, self.ck, self.cv, self.cpos,
-                              slots)
+                              slots, ccount=self.ccount)
         for st in states:
             st.k_eff = keep.shape[-1]
 
@@ -319,7 +321,7 @@ class PagedSFI:
         # the re-pack of nothing into the slot being admitted (no entry copied; its positions say empty)
         slot_t = torch.tensor([slot], dtype=torch.int32, device=dev)
         keep = padded(1, self.L, self.hkv, 16, dtype=torch.long, device=dev)[..., :0]
-        pack_selection_layers(keep, 0, None, bt, views, self.ck, self.cv, self.cpos, slot_t)
+        pack_selection_layers(keep, 0, None, bt, views, self.ck, self.cv, self.cpos, slot_t, ccount=self.ccount)
 
     # -- telemetry -----------------------------------------------------------------------------
     telemetry = staticmethod(sfi_telemetry)
