@@ -113,6 +113,7 @@ def test_batched_refresh_equals_eager_selection(setup, monkeypatch, floats):
         assert torch.equal(g.ck[:, st.slot, :, :m], seq.ck[:, :, :m])
         assert torch.equal(g.cv[:, st.slot, :, :m], seq.cv[:, :, :m])
         assert torch.all(g.cpos[:, st.slot, :, m:] == -1)
+        assert int(g.ccount[st.slot]) == m  # the entries the fast step reads, sinks and selection
 
 
 def test_paged_fast_step_equals_eager_fast_step(setup):
@@ -147,6 +148,7 @@ def test_warm_up_at_admission_leaves_other_slots_alone(setup):
     for t in (g.ck, g.cv, g.ring):
         t.normal_()
     g.cpos.random_(0, 100)
+    g.ccount.fill_(50)
     before = [t.clone() for t in (g.ck, g.cv, g.cpos, g.ring)]
     admitted = g.free[0]
     g._warm(cfg, admitted)
@@ -158,6 +160,7 @@ def test_warm_up_at_admission_leaves_other_slots_alone(setup):
     assert torch.equal(g.ring, before[3])  # the rings are only read
     # the admitted slot: no entry copied, its positions say empty (set again at admission)
     assert torch.equal(g.ck[:, admitted], before[0][:, admitted]) and torch.all(g.cpos[:, admitted] == -1)
+    assert int(g.ccount[admitted]) == 0 and all(int(g.ccount[s]) == 50 for s in others)
 
 
 @pytest.mark.cuda

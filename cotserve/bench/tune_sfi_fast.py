@@ -24,6 +24,7 @@ import torch
 
 from cotserve.bench.vllm_parts import RING_WRITES
 from cotserve.kernels.sfi_launch import FastLaunch, heuristic_splits
+from cotserve.policies.options import SFIOptions, option_default
 
 SHAPES = (8, 4, 128, 2112, 256, 16384, 16)  # KV heads, group, head dim, compact entries, window, context, block
 BLOCKS = ((64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 2),
@@ -56,14 +57,17 @@ class Inputs:
         self.w_tok = writes % rows
         self.w_slot = torch.where(writes < rows, self.w_tok, rows)  # the rest to the scratch slot
         self.w_idx = torch.zeros_like(writes)
-        self.bytes = rows * hkv * (c + window) * d * 2 * 2  # compact + window keys and values
+        # as served: each slot's compact entries in use (SFI's sinks + k), the padding to c unread
+        used = min(c, option_default(SFIOptions, "sinks") + option_default(SFIOptions, "k"))
+        self.count = torch.full((rows,), used, dtype=torch.int32, device=dev)
+        self.bytes = rows * hkv * (used + window) * d * 2 * 2  # the compact entries read + window, keys and values
 
     def run(self, launch: FastLaunch) -> None:
         from cotserve.kernels.sfi_paged import sfi_paged_fast
 
         sfi_paged_fast(self.q, self.out, self.ck, self.cv, self.cpos, self.kc, self.vc, self.bt, self.mode, self.slot,
                        self.slot, self.ws, self.lens, 0.088, launch=launch,
-                       ring=(self.ring, self.w_tok, self.w_slot, self.w_idx))
+                       ring=(self.ring, self.w_tok, self.w_slot, self.w_idx), ccount=self.count)
 
 
 def time_us(inputs: Inputs, launch: FastLaunch) -> float:

@@ -3,7 +3,8 @@
 * the paged fast-step kernel (`kernels.sfi_paged`) against FlashAttention-sized reads: rows x
   KV heads x (compact + window) entries, with the bytes it must move and the bandwidth reached;
   with each slot's count of compact entries in use, as served (`auto_count`: the padding past sinks + k
-  unread), and also with the step's ring writes in its launch (`auto_with_ring_writes`);
+  unread), and also with the step's ring writes in its launch (`auto_with_ring_writes`; against
+  `auto_count`, their cost);
 * a batched refresh (`GraphSFI.refresh`: evidence, selector, re-pack) of J requests of n entries
   over every layer, on random caches in vLLM's FlashAttention layout: its GPU time (`ms`, CUDA events)
   and the host's time to issue it (`host_ms`; where it exceeds `ms`, the host is what a refresh waits on).
@@ -61,7 +62,8 @@ def time_kernel(rows: int = 16, hkv: int = 8, g: int = 4, d: int = 128, c: int =
     w_tok = torch.arange(RING_WRITES, device=dev) % rows
     w_slot = torch.where(torch.arange(RING_WRITES, device=dev) < rows, w_tok, rows)
     w_idx = torch.zeros_like(w_tok)
-    # as vLLM's backend launches it: the step's ring writes done by the same launch (against "auto": their cost)
+    # as vLLM's backend launches it: the count and the step's ring writes in the same launch (against
+    # "auto_count": the writes' cost)
     res["auto_with_ring_writes"] = {"ms": round(graph_ms(lambda: sfi_paged_fast(
         q, out, ck, cv, cpos, kc, vc, bt, mode, slot, slot, ws, lens, 0.088, ring=(ring, w_tok, w_slot, w_idx),
         ccount=count)), 4)}
@@ -187,7 +189,7 @@ def refresh_parts(j: int = 1, n: int = 16384, layers: int = 36, hq: int = 32, hk
     keep = topk_sorted(scores, k).view(j, layers, hkv, k)
     for block in (64, 128):
         ms = graph_ms(lambda b=block: pack_selection_layers(keep, cfg.sinks, None, blocks, views, rt.ck, rt.cv,
-                                                            rt.cpos, slots, block=b), reps=5)
+                                                            rt.cpos, slots, block=b, ccount=rt.ccount), reps=5)
         row("pack", ms, 2 * 2 * j * layers * hkv * (cfg.sinks + k) * d * 2 / 1e6, block=block)
     return rows
 
@@ -213,7 +215,7 @@ def time_launches(reps: int = 2000) -> dict:
     w = torch.zeros(RING_WRITES, dtype=torch.long, device=dev)
 
     def fast() -> None:  # row mode 0: every program leaves at once
-        sfi_paged_fast(q, q, ck, ck, cpos, kc, kc, bt, one, one, one, one, one, 0.088, ring=(ring, w, w + 1, w))
+        sfi_paged_fast(q, q, ck, ck, cpos, kc, kc, bt, one, one, one, one, one, 0.088, ring=(ring, w, w + 1, w), ccount=one)
 
     scores = torch.randn(288, 16384, device=dev)
     cases = {"torch_add_us": (lambda: x.add_(1.0), reps), "triton_fast_step_us": (fast, reps),
