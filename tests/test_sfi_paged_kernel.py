@@ -47,6 +47,18 @@ def test_kernel_matches_reference(seed, splits):
     assert not torch.any(out[fast_toks] == 7.0)
 
 
+def _kernel_and_reference(case, splits: int, **given):
+    """The Triton kernel's output and the reference's on `case`, both over a poisoned output, with the
+    same extra arguments (`row_cws`, `ccount`)."""
+    q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = case
+    poison = torch.full_like(q, 7.0)
+    ref = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
+                                      **given)
+    out = sp.sfi_paged_fast(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16,
+                            splits=splits, **given)
+    return out, ref
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_kernel_reads_no_compact_entry_past_the_slots_count(splits):
     """`ccount` bounds each slot's compact entries: those at or past it are not read even where their
@@ -57,12 +69,9 @@ def test_kernel_reads_no_compact_entry_past_the_slots_count(splits):
     c = ck.shape[2]
     cpos = torch.randint(0, 8, cpos.shape, generator=torch.Generator().manual_seed(1)).to(torch.int32)  # all valid
     count = torch.tensor([c, 5, 23], dtype=torch.int32)  # slot 0 whole; 1 cut inside its first block, 2 later
-    poison = torch.full_like(q, 7.0)
-    ref = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
-                                      ccount=count)
-    out = sp.sfi_paged_fast(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16,
-                            splits=splits, ccount=count)
+    out, ref = _kernel_and_reference((q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens), splits, ccount=count)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    poison = torch.full_like(q, 7.0)
     plain = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3)
     full = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
                                        ccount=torch.full_like(count, c))
@@ -127,15 +136,13 @@ def test_kernel_does_the_steps_ring_writes_in_the_same_launch(splits, strided_ri
 def test_kernel_per_head_cutoff_matches_reference(splits):
     """A compacted request's cutoff differs per KV head (true positions): each head reads exactly the
     compact entries older than its own cutoff, and the kernel agrees with the reference."""
-    q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = _case(5)
+    case = _case(5)
+    q, ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens = case
     gen = torch.Generator().manual_seed(9)
     cws = torch.randint(0, int(lens.max()), (mode.shape[0], ck.shape[1]), generator=gen).to(torch.int32)
-    poison = torch.full_like(q, 7.0)
-    ref = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
-                                      row_cws=cws)
-    out = sp.sfi_paged_fast(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3, block_n=16,
-                            splits=splits, row_cws=cws)
+    out, ref = _kernel_and_reference(case, splits, row_cws=cws)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    poison = torch.full_like(q, 7.0)
     same = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3,
                                        row_cws=ws.view(-1, 1).expand(-1, ck.shape[1]).contiguous())
     plain = sp.sfi_paged_fast_reference(q, poison.clone(), ck, cv, cpos, kc, vc, bt, mode, slot, tok, ws, lens, 0.3)
